@@ -1,0 +1,55 @@
+"""``burstc.compile`` and ``burstc.report``."""
+from __future__ import annotations
+
+import torch
+
+from burstc.backend import BurstBackend
+from burstc.config import BurstConfig
+from burstc.report import Report
+
+_REPORT_ATTR = "_burstc_report"
+
+
+def _world_size_of(mesh) -> int:
+    if mesh is None:
+        return 1
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    return mesh.size()
+
+
+def compile(model, mesh=None, **options):
+    """Compile an unmodified causal LM (or any module / function) with burstc's passes.
+
+    ``mesh=None`` (or a DeviceMesh of size 1) means one device.  Options are keyword-only and
+    validated (see :class:`burstc.config.BurstConfig`); an unknown option or a bad value is a
+    ``ValueError`` that names it.  Returns what ``torch.compile`` returns; call it like the original.
+    """
+    config = BurstConfig.from_options(options)
+    world_size = _world_size_of(mesh)
+    if world_size > 1:
+        raise NotImplementedError(
+            f"burstc.compile on a mesh of {world_size} ranks needs the sequence-parallel shard pass, "
+            "which is not available in this version; use mesh=None or a mesh of size 1"
+        )
+    report = Report(config, world_size=world_size)
+    backend = BurstBackend(config, report, mesh=mesh, world_size=world_size)
+    compiled = torch.compile(model, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    # object.__setattr__: OptimizedModule forwards setattr to the wrapped model, which we leave alone
+    object.__setattr__(compiled, _REPORT_ATTR, report)
+    return compiled
+
+
+def report(compiled) -> Report:
+    """The :class:`~burstc.report.Report` of a model returned by :func:`burstc.compile`."""
+    rep = compiled.__dict__.get(_REPORT_ATTR) if hasattr(compiled, "__dict__") else None
+    if rep is None:
+        raise TypeError("burstc.report expects a model returned by burstc.compile")
+    if not rep.compiled:
+        raise RuntimeError(
+            "burstc.report: nothing has been compiled yet; call the compiled model at least once "
+            "(compilation happens on the first call)"
+        )
+    return rep

@@ -1,0 +1,82 @@
+"""burstc.compile options: one keyword-only, validated dataclass."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+from burstc.layout import LAYOUTS
+
+BACKENDS = ("inductor", "aot_eager")
+ATTENTION_PLANS = ("auto", "kv_ring", "burst")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BurstConfig:
+    backend: str = "inductor"
+    """Compiler that lowers the rewritten graphs: ``"inductor"`` or ``"aot_eager"`` (fast, for tests)."""
+
+    disable_passes: tuple[str, ...] = ()
+    """Names of burstc passes to skip (see ``burstc.passes.PASS_ORDER``)."""
+
+    keep_logits: bool = False
+    """When the graph returns the logits only as an output (HF training), the fused LM-head loss
+    returns ``None`` in their place (they are never materialized).  ``True`` keeps them."""
+
+    lm_head_chunk_size: int | None = None
+    """Tokens per chunk of the fused LM-head loss; ``None`` sizes it from the vocab."""
+
+    layout: str = "zigzag"
+    """Sequence layout over the mesh: ``contiguous``, ``zigzag`` or ``striped``."""
+
+    attention_plan: str = "auto"
+    """Ring-attention backward plan: ``auto`` (planner's cheaper one), ``kv_ring`` or ``burst``."""
+
+    reduce_grads: bool = True
+    """Sum parameter gradients over the sequence mesh inside the compiled backward."""
+
+    check_inputs: bool = False
+    """Check (one cheap all-reduce of a hash) that every rank got the same batch."""
+
+    fullgraph: bool = False
+    """Passed to torch.compile."""
+
+    dynamic: bool | None = False
+    """Passed to torch.compile (default static shapes: the passes plan for concrete lengths)."""
+
+    def __post_init__(self):
+        from burstc.passes import PASS_ORDER
+
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("attention_plan", self.attention_plan, ATTENTION_PLANS)
+        if isinstance(self.disable_passes, str):
+            object.__setattr__(self, "disable_passes", (self.disable_passes,))
+        object.__setattr__(self, "disable_passes", tuple(self.disable_passes))
+        unknown = [p for p in self.disable_passes if p not in PASS_ORDER]
+        if unknown:
+            raise ValueError(f"disable_passes: unknown pass name(s) {unknown}; passes are {list(PASS_ORDER)}")
+        for name in ("keep_logits", "reduce_grads", "check_inputs", "fullgraph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
+        if self.dynamic not in (None, True, False):
+            raise ValueError(f"option 'dynamic' must be None or a bool, got {self.dynamic!r}")
+        chunk = self.lm_head_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+            raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")
+
+    @classmethod
+    def from_options(cls, options: dict) -> "BurstConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown burstc.compile option(s) {unknown}; valid options are {sorted(known)}")
+        return cls(**options)
+
+    def cache_key(self) -> str:
+        """Everything the passes depend on, for the Inductor cache key."""
+        return repr(dataclasses.astuple(self))
+
+
+def _check_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"option {name!r} must be one of {choices}, got {value!r}")

@@ -1,0 +1,315 @@
+"""Fuse the LM head and the cross-entropy loss so the [tokens, vocab] logits are never materialized.
+
+Before (HF transformers 5.x ``LlamaForCausalLM`` with labels; nanoGPT and torchtitan are variants)::
+
+    logits  = linear(hidden_BSH, lm_head_weight)          # [B, S, V]  <- also a graph output
+    logits2 = logits.float().view(-1, V)                  # optional upcast / reshapes / slicing
+    loss    = cross_entropy(logits2, labels_N, ignore_index=-100, reduction="mean")
+
+After::
+
+    loss = burstc.ops.linear_cross_entropy(hidden_BSH, lm_head_weight, labels_N, ...)
+
+What may stand between the linear and the loss: ``float``/``to(float32)`` upcasts, ``contiguous``,
+reshapes that keep the vocab dim last (they only regroup tokens, so token order is preserved),
+token slicing (``logits[..., :-1, :]``, applied to the hidden states instead) and a tanh soft-cap
+(``c * tanh(x / c)``).  Anything else, a loss option the fused op can't reproduce exactly (class
+weights, legacy ``size_average``/``reduce``), or a class dim other than the last: the candidate is
+skipped with its reason.
+
+Logits that are only returned as a graph output are dropped (``None`` is returned in their place)
+unless ``keep_logits=True``; logits that anything else uses are kept, and the report says so.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+from burstc.ops.linear_cross_entropy import linear_cross_entropy
+
+KIND = "lm_head_loss"
+_CROSS_ENTROPY_TARGETS = (F.cross_entropy,)
+_LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
+_RESHAPE_METHODS = ("view", "reshape", "flatten")
+_RESHAPE_FUNCTIONS = (torch.reshape, torch.flatten)
+
+
+class _Refuse(Exception):
+    """A candidate the pass won't rewrite; the message is the report's reason."""
+
+
+@dataclass
+class LMHeadLossMatch:
+    loss_node: fx.Node
+    linear_node: fx.Node
+    hidden: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    target: fx.Node
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    softcap: float | None
+    token_slices: list = field(default_factory=list)  # getitem indices applied to the logits
+    chain: list = field(default_factory=list)         # nodes from the CE input back to the linear
+
+
+def _val(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _is_method(node, *names):
+    return node.op == "call_method" and node.target in names
+
+
+def _is_function(node, *targets):
+    return node.op == "call_function" and node.target in targets
+
+
+def _const(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _full_slice(item) -> bool:
+    return isinstance(item, slice) and item == slice(None, None, None)
+
+
+def _token_slice_ok(index, ndim: int) -> bool:
+    """True if ``x[index]`` selects along leading (token) dims only and leaves the last dim whole."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, (slice, int)) or i is Ellipsis for i in items):
+        return False
+    if any(isinstance(i, int) for i in items):
+        return False  # an int index drops a dim; keep the rule simple
+    if Ellipsis in items:
+        after = items[items.index(Ellipsis) + 1:]
+        return not after or _full_slice(after[-1])
+    return len(items) < ndim or _full_slice(items[-1])
+
+
+def _softcap_of(node: fx.Node):
+    """``c * tanh(x / c)`` ending at ``node`` -> (c, x, [tanh, div] nodes), else None."""
+    if not (_is_function(node, operator.mul) and len(node.args) == 2):
+        return None
+    tanh_node, cap = node.args
+    if not isinstance(tanh_node, fx.Node):
+        tanh_node, cap = cap, tanh_node
+    if _const(cap) is None or not isinstance(tanh_node, fx.Node):
+        return None
+    if not (_is_function(tanh_node, torch.tanh) or _is_method(tanh_node, "tanh")):
+        return None
+    div_node = tanh_node.args[0]
+    if not (isinstance(div_node, fx.Node) and _is_function(div_node, operator.truediv)
+            and isinstance(div_node.args[0], fx.Node) and _const(div_node.args[1]) == cap):
+        return None
+    return float(cap), div_node.args[0], [tanh_node, div_node]
+
+
+def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
+    """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap)."""
+    chain, slices, softcap = [], [], None
+    node = ce_input
+    while True:
+        if not isinstance(node, fx.Node):
+            raise _Refuse("cross_entropy input is not a graph value")
+        if _is_function(node, *_LINEAR_TARGETS):
+            return node, chain, slices, softcap
+        val = _val(node)
+        chain.append(node)
+        if _is_method(node, "float", "contiguous"):
+            node = node.args[0]
+            continue
+        if _is_method(node, "to", "type"):
+            dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
+            if dtypes and dtypes[0] not in (torch.float32,):
+                raise _Refuse(f"logits are cast to {dtypes[0]} before the loss; the fused loss computes in float32")
+            node = node.args[0]
+            continue
+        if _is_method(node, *_RESHAPE_METHODS) or _is_function(node, *_RESHAPE_FUNCTIONS):
+            src = node.args[0]
+            src_val = _val(src)
+            if val is None or src_val is None or val.shape[-1] != src_val.shape[-1]:
+                raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim")
+            node = src
+            continue
+        if _is_function(node, operator.getitem):
+            src_val = _val(node.args[0])
+            if src_val is None or not _token_slice_ok(node.args[1], src_val.dim()):
+                raise _Refuse(f"`{node.name}` indexes the logits in a way the fused loss can't follow")
+            slices.append(node.args[1])
+            node = node.args[0]
+            continue
+        capped = _softcap_of(node)
+        if capped is not None:
+            if softcap is not None:
+                raise _Refuse("two soft-caps on the logits")
+            softcap, node, cap_nodes = capped
+            chain.extend(cap_nodes)
+            continue
+        what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+        raise _Refuse(f"op `{what}` between the lm_head linear and cross_entropy is not supported")
+
+
+def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
+    matches = []
+    for node in gm.graph.nodes:
+        if not _is_function(node, *_CROSS_ENTROPY_TARGETS):
+            continue
+        try:
+            matches.append(_match_one(node))
+        except _Refuse as refusal:
+            context.skip(KIND, node, str(refusal))
+    return matches
+
+
+def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
+    normalized = normalize_function(loss_node.target, loss_node.args, loss_node.kwargs,
+                                    normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        raise _Refuse("could not normalize the cross_entropy call")
+    kw = normalized.kwargs
+    if kw.get("weight") is not None:
+        raise _Refuse("cross_entropy with class weights is not fused (not reproduced exactly)")
+    if kw.get("size_average") is not None or kw.get("reduce") is not None:
+        raise _Refuse("legacy size_average/reduce arguments")
+    reduction = kw.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none"):
+        raise _Refuse(f"reduction {reduction!r}")
+    label_smoothing = kw.get("label_smoothing", 0.0)
+    ignore_index = kw.get("ignore_index", -100)
+    if not isinstance(label_smoothing, (int, float)) or not isinstance(ignore_index, int):
+        raise _Refuse("label_smoothing / ignore_index are not constants")
+    ce_input, target = kw["input"], kw["target"]
+    in_val, target_val = _val(ce_input), _val(target)
+    if in_val is None or target_val is None:
+        raise _Refuse("no shape information on the cross_entropy inputs")
+    if in_val.dim() != 2 or target_val.dim() != 1:
+        raise _Refuse(f"cross_entropy input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
+    if target_val.dtype not in (torch.int64, torch.int32):
+        raise _Refuse("targets are class probabilities, not indices")
+
+    linear, chain, slices, softcap = _walk_to_linear(ce_input, in_val.shape[-1])
+    hidden, weight = linear.args[0], linear.args[1]
+    bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    weight_val = _val(weight)
+    if weight_val is None or weight_val.dim() != 2:
+        raise _Refuse("lm_head weight is not a 2-D tensor")
+    if not torch.is_floating_point(weight_val):
+        raise _Refuse("lm_head weight is not floating point")
+    return LMHeadLossMatch(loss_node, linear, hidden, weight, bias, target, ignore_index, reduction,
+                           float(label_smoothing), softcap, slices, chain)
+
+
+def _fake_mode(gm: fx.GraphModule):
+    """The fake mode of the graph's own example values (Dynamo's), so new meta is consistent."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        val = _val(node)
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    return None
+
+
+def _set_meta(node: fx.Node, fn, args, kwargs, fake_mode):
+    if fake_mode is None:
+        return
+    def to_fake(a):
+        return _val(a) if isinstance(a, fx.Node) else a
+    fargs = torch.fx.node.map_aggregate(args, to_fake)
+    fkwargs = torch.fx.node.map_aggregate(kwargs, to_fake)
+    with fake_mode:
+        node.meta["example_value"] = fn(*fargs, **fkwargs)
+
+
+def _predicted_bytes(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, chunk: int) -> dict:
+    """Extra memory of the loss, eager vs fused (bytes).
+
+    Eager keeps the logits (dtype), their float32 upcast and the float32 grad of the upcast alive at
+    the backward's peak: N·V·(a + 4 + 4).  The fused op holds one chunk of float32 logits and their
+    gradient (2·C·V·4), the precomputed grad of the hidden states (N·H·a) and a float32 accumulator
+    for the weight gradient (V·H·4).
+    """
+    a = torch.finfo(dtype).bits // 8
+    return {
+        "eager": num_tokens * vocab * (a + 8),
+        "fused": 2 * chunk * vocab * 4 + num_tokens * hidden * a + vocab * hidden * 4,
+    }
+
+
+def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
+    from burstc.kernels.linear_cross_entropy import default_chunk_size
+
+    fake_mode = _fake_mode(gm)
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    drop_from_outputs: list[fx.Node] = []
+
+    for match in find_lm_head_losses(gm, context):
+        graph = gm.graph
+        chain_nodes = set(match.chain)
+        logits_users = [u for u in match.linear_node.users if u not in chain_nodes]
+        other_users = [u for u in logits_users if u is not output_node]
+        hidden_val, weight_val = _val(match.hidden), _val(match.weight)
+        vocab, hidden_size = weight_val.shape
+        num_tokens = _val(match.target).numel()
+        chunk = config.lm_head_chunk_size or default_chunk_size(num_tokens, vocab, hidden_size, hidden_val.dtype)
+
+        with graph.inserting_before(match.loss_node):
+            hidden = match.hidden
+            for index in reversed(match.token_slices):  # innermost slice was appended last
+                sliced = graph.call_function(operator.getitem, (hidden, index))
+                _set_meta(sliced, operator.getitem, (hidden, index), {}, fake_mode)
+                hidden = sliced
+            kwargs = dict(bias=match.bias, ignore_index=match.ignore_index, reduction=match.reduction,
+                          label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)
+            fused = graph.call_function(linear_cross_entropy, (hidden, match.weight, match.target), kwargs)
+            _set_meta(fused, linear_cross_entropy, (hidden, match.weight, match.target), kwargs, fake_mode)
+        fused.meta["nn_module_stack"] = match.linear_node.meta.get("nn_module_stack", {})
+        match.loss_node.replace_all_uses_with(fused)
+        graph.erase_node(match.loss_node)
+
+        logits_note = "dropped (never materialized)"
+        if other_users:
+            logits_note = "kept: used by " + ", ".join(u.name for u in other_users)
+        elif output_node in logits_users:
+            if config.keep_logits:
+                logits_note = "kept: keep_logits=True"
+            else:
+                drop_from_outputs.append(match.linear_node)
+                logits_note = "dropped: returned as None (keep_logits=True keeps them)"
+        context.rewrite(KIND, fused, {
+            "tokens": num_tokens, "vocab": vocab, "hidden": hidden_size,
+            "dtype": str(hidden_val.dtype).replace("torch.", ""),
+            "reduction": match.reduction, "ignore_index": match.ignore_index,
+            "label_smoothing": match.label_smoothing, "softcap": match.softcap,
+            "bias": match.bias is not None, "chunk_size": chunk, "logits": logits_note,
+            "predicted_peak_bytes": _predicted_bytes(num_tokens, vocab, hidden_size, hidden_val.dtype, chunk),
+        }, module=_module_of(match.linear_node))
+    if drop_from_outputs:
+        drop_graph_outputs(gm, output_node, drop_from_outputs)
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def drop_graph_outputs(gm: fx.GraphModule, output_node: fx.Node, nodes: list[fx.Node]):
+    """Remove ``nodes`` from the graph's output tuple; the backend returns None in their place.
+
+    ``gm.meta["burstc_dropped_outputs"]`` holds positions in the *original* output tuple, so
+    drops by earlier passes are merged in."""
+    outputs = tuple(output_node.args[0])
+    earlier = sorted(gm.meta.get("burstc_dropped_outputs", ()))
+    original_index = [i for i in range(len(outputs) + len(earlier)) if i not in earlier]
+    drop = {i for i, o in enumerate(outputs) if any(o is n for n in nodes)}
+    output_node.args = (tuple(o for i, o in enumerate(outputs) if i not in drop),)
+    gm.meta["burstc_dropped_outputs"] = tuple(sorted(earlier + [original_index[i] for i in drop]))
+
+
+def _module_of(node):
+    from burstc.passes import module_path
+
+    return module_path(node)
