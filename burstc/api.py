@@ -13,10 +13,21 @@ _REPORT_ATTR = "_burstc_report"
 def _world_size_of(mesh) -> int:
     if mesh is None:
         return 1
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.size() == 1:
+        return 1
+    if not dist.is_initialized():
+        raise RuntimeError("burstc.compile: the mesh's process group is not initialized; call "
+                           "dist.init_process_group (torchrun does it for you) before building the mesh")
+    if mesh.size() > dist.get_world_size():
+        raise ValueError(f"burstc.compile: mesh of {mesh.size()} ranks in a world of {dist.get_world_size()}")
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"burstc.compile: a {mesh.ndim}-D mesh (double ring) is not supported yet; "
+                                  "pass a 1-D mesh")
     return mesh.size()
 
 
@@ -29,11 +40,6 @@ def compile(model, mesh=None, **options):
     """
     config = BurstConfig.from_options(options)
     world_size = _world_size_of(mesh)
-    if world_size > 1:
-        raise NotImplementedError(
-            f"burstc.compile on a mesh of {world_size} ranks needs the sequence-parallel shard pass, "
-            "which is not available in this version; use mesh=None or a mesh of size 1"
-        )
     report = Report(config, world_size=world_size)
     backend = BurstBackend(config, report, mesh=mesh, world_size=world_size)
     compiled = torch.compile(model, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)

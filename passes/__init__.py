@@ -15,8 +15,9 @@ from burstc._logging import log_event
 from burstc.report import PassRun, Report, RewriteRecord, SkipRecord
 
 # Order matters: the LM-head fusion matches the unsharded loss; shard then lowers the fused op's
-# normalizer to the global token count (the sequence-parallel issue adds "shard" here).
-PASS_ORDER: tuple[str, ...] = ("fuse_lm_head_loss",)
+# normalizer to the global token count; detect_attention puts attention in the SDPA normal form
+# that shard lowers to ring attention.
+PASS_ORDER: tuple[str, ...] = ("fuse_lm_head_loss", "detect_attention", "shard")
 
 
 def module_path(node: fx.Node) -> str:
@@ -48,6 +49,7 @@ class PassContext:
     mesh: Any = None
     example_inputs: list = field(default_factory=list)
     pass_name: str = ""
+    note: str = ""
     _rewrites: int = 0
     _skips: int = 0
 
@@ -71,9 +73,11 @@ class PassContext:
 
 
 def _registry() -> dict[str, Callable]:
+    from burstc.passes.detect_attention import detect_attention
     from burstc.passes.fuse_lm_head_loss import fuse_lm_head_loss
+    from burstc.passes.shard import shard
 
-    passes = {"fuse_lm_head_loss": fuse_lm_head_loss}
+    passes = {"fuse_lm_head_loss": fuse_lm_head_loss, "detect_attention": detect_attention, "shard": shard}
     assert tuple(passes) == PASS_ORDER
     return passes
 
@@ -85,11 +89,12 @@ def apply_passes(gm: fx.GraphModule, *, config, context: PassContext) -> fx.Grap
             continue
         context.pass_name = name
         context._rewrites = context._skips = 0
+        context.note = ""
         result = pass_fn(gm, config=config, context=context)
         if not isinstance(result, fx.GraphModule):
             raise TypeError(f"burstc pass {name} returned {type(result).__name__}, expected a GraphModule")
         gm = result
-        note = "" if context._rewrites or context._skips else "found no candidates"
+        note = context.note or ("" if context._rewrites or context._skips else "found no candidates")
         context.report.passes.append(PassRun(name, context.graph_id, context._rewrites, context._skips, note))
         log_event("passes", "graph %d: pass %s: %d rewrite(s), %d skip(s) %s", context.graph_id, name,
                   context._rewrites, context._skips, note)

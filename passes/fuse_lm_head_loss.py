@@ -265,12 +265,22 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 sliced = graph.call_function(operator.getitem, (hidden, index))
                 _set_meta(sliced, operator.getitem, (hidden, index), {}, fake_mode)
                 hidden = sliced
+            # the targets in the hidden states' token shape ([B, S] for [B, S, H]), so that a row of
+            # one is a token of the other whatever the leading dims (and the shard pass can split both)
+            lead_shape = tuple(_val(hidden).shape[:-1])
+            target = graph.call_method("reshape", (match.target, lead_shape))
+            _set_meta(target, torch.reshape, (match.target, lead_shape), {}, fake_mode)
             kwargs = dict(bias=match.bias, ignore_index=match.ignore_index, reduction=match.reduction,
                           label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)
-            fused = graph.call_function(linear_cross_entropy, (hidden, match.weight, match.target), kwargs)
-            _set_meta(fused, linear_cross_entropy, (hidden, match.weight, match.target), kwargs, fake_mode)
+            fused = graph.call_function(linear_cross_entropy, (hidden, match.weight, target), kwargs)
+            _set_meta(fused, linear_cross_entropy, (hidden, match.weight, target), kwargs, fake_mode)
         fused.meta["nn_module_stack"] = match.linear_node.meta.get("nn_module_stack", {})
-        match.loss_node.replace_all_uses_with(fused)
+        result = fused
+        if match.reduction == "none":  # per-token losses come in the token shape; give CE's [N] back
+            with graph.inserting_after(fused):
+                result = graph.call_method("reshape", (fused, tuple(_val(match.loss_node).shape)))
+            _set_meta(result, torch.reshape, (fused, tuple(_val(match.loss_node).shape)), {}, fake_mode)
+        match.loss_node.replace_all_uses_with(result)
         graph.erase_node(match.loss_node)
 
         logits_note = "dropped (never materialized)"

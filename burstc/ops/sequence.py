@@ -1,0 +1,136 @@
+"""Sequence-parallel plumbing ops that the ``shard`` pass inserts.
+
+All rank-dependence lives inside these ops at run time (each op asks its process group for the
+rank), so the compiled graph is the same on every rank and a shared Inductor cache is safe.
+
+- ``burstc::shard_seq``: this rank's tokens of a replicated tensor along ``dim`` (in the layout);
+  backward scatters the local gradient into zeros (the other ranks hold the other positions, and
+  the parameter-gradient all-reduce sums them).
+- ``burstc::gather_seq``: all ranks' shards -> the full tensor in global order (for sharded graph
+  outputs); backward takes this rank's slice of the (replicated) gradient.
+- :func:`loss_all_reduce`: sum of the ranks' partial losses; backward is the identity (each rank's
+  partial loss gets gradient 1, as in the single-device loss).
+- :func:`grad_all_reduce`: identity forward; backward sums the gradient over the mesh.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from burstc.layout import local_positions
+
+
+def _positions(group_name: str, seq_len: int, layout: str, device) -> Tensor:
+    group = _resolve_process_group(group_name)
+    return local_positions(seq_len, dist.get_world_size(group), dist.get_rank(group), layout, device=device)
+
+
+@torch.library.custom_op("burstc::shard_seq", mutates_args=())
+def shard_seq(x: Tensor, dim: int, group_name: str, layout: str) -> Tensor:
+    return x.index_select(dim, _positions(group_name, x.shape[dim], layout, x.device))
+
+
+@shard_seq.register_fake
+def _(x, dim, group_name, layout):
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("burstc::unshard_seq_grad", mutates_args=())
+def unshard_seq_grad(grad: Tensor, dim: int, full_len: int, group_name: str, layout: str) -> Tensor:
+    shape = list(grad.shape)
+    shape[dim] = full_len
+    full = grad.new_zeros(shape)
+    return full.index_copy(dim, _positions(group_name, full_len, layout, grad.device), grad)
+
+
+@unshard_seq_grad.register_fake
+def _(grad, dim, full_len, group_name, layout):
+    shape = list(grad.shape)
+    shape[dim] = full_len
+    return grad.new_empty(shape)
+
+
+def _shard_setup(ctx, inputs, output):
+    x, dim, group_name, layout = inputs
+    ctx.args = (dim, x.shape[dim], group_name, layout)
+    ctx.differentiable = x.is_floating_point() or x.is_complex()
+
+
+def _shard_backward(ctx, grad):
+    if not ctx.differentiable:
+        return None, None, None, None
+    return torch.ops.burstc.unshard_seq_grad(grad, *ctx.args), None, None, None
+
+
+shard_seq.register_autograd(_shard_backward, setup_context=_shard_setup)
+
+
+@torch.library.custom_op("burstc::gather_seq", mutates_args=())
+def gather_seq(x: Tensor, dim: int, group_name: str, layout: str) -> Tensor:
+    group = _resolve_process_group(group_name)
+    world = dist.get_world_size(group)
+    local = x.movedim(dim, 0).contiguous()
+    chunks = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(chunks, local, group=group)
+    full_len = local.shape[0] * world
+    positions = torch.cat([local_positions(full_len, world, r, layout, device=x.device) for r in range(world)])
+    full = torch.empty((full_len,) + tuple(local.shape[1:]), dtype=x.dtype, device=x.device)
+    full[positions] = torch.cat(chunks)
+    return full.movedim(0, dim).contiguous()
+
+
+@gather_seq.register_fake
+def _(x, dim, group_name, layout):
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _gather_setup(ctx, inputs, output):
+    _, dim, group_name, layout = inputs
+    ctx.args = (dim, group_name, layout)
+
+
+def _gather_backward(ctx, grad):
+    return torch.ops.burstc.shard_seq(grad.contiguous(), *ctx.args), None, None, None
+
+
+gather_seq.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+class _LossAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: Tensor, group_name: str) -> Tensor:
+        return funcol.wait_tensor(funcol.all_reduce(partial, "sum", group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: Tensor, group_name: str) -> Tensor:
+        ctx.group_name = group_name
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
+
+
+def loss_all_reduce(partial: Tensor, group_name: str) -> Tensor:
+    """Sum of the ranks' partial losses; each rank's partial gets gradient ``grad`` (identity)."""
+    return _LossAllReduce.apply(partial, group_name)
+
+
+def grad_all_reduce(param: Tensor, group_name: str) -> Tensor:
+    """``param`` itself; its gradient is summed over the group in the backward."""
+    return _GradAllReduce.apply(param, group_name)

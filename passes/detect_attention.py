@@ -1,0 +1,198 @@
+"""Find attention and put it in one normal form: an SDPA node with ``is_causal`` and no mask.
+
+Runs only on a mesh of more than one rank (on one device, attention is left to Inductor).
+
+- SDPA calls: a mask that depends only on constants and module buffers (HF's mask built from
+  ``arange`` comparisons when no attention_mask is passed, a ``tril`` buffer) is evaluated at
+  compile time and classified: *causal* (exactly lower-triangular) becomes ``is_causal=True``, *full*
+  (all visible) becomes no mask.  A mask that depends on the inputs, or any other pattern, is left
+  in place; the shard pass then refuses the graph with the reason.
+- The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf)]) @ v`` (nanoGPT's
+  fallback) is replaced by the equivalent SDPA node.
+
+Before::
+
+    att = (q @ k.transpose(-2, -1)) * 0.125
+    att = att.masked_fill(bias[:, :, :T, :T] == 0, float("-inf"))
+    y = F.softmax(att, dim=-1) @ v
+
+After::
+
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+from burstc.passes.graph_utils import (NotConstant, const_number, evaluate_constant, fake_mode_of, is_function,
+                                       is_method, set_meta, val)
+
+KIND = "attention"
+SDPA = F.scaled_dot_product_attention
+_SOFTMAX = (torch.softmax, F.softmax)
+_MATMUL = (operator.matmul, torch.matmul)
+
+
+def sdpa_kwargs(node: fx.Node) -> dict:
+    normalized = normalize_function(SDPA, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    kwargs = dict(normalized.kwargs)
+    kwargs.setdefault("attn_mask", None)
+    kwargs.setdefault("dropout_p", 0.0)
+    kwargs.setdefault("is_causal", False)
+    kwargs.setdefault("scale", None)
+    kwargs.setdefault("enable_gqa", False)
+    return kwargs
+
+
+def classify_visibility(visible: torch.Tensor) -> str:
+    """``visible[..., Sq, Skv]`` (True = may attend) -> ``"causal"``, ``"full"`` or ``"other"``."""
+    visible = visible.to(torch.bool)
+    sq, skv = visible.shape[-2:]
+    if bool(visible.all()):
+        return "full"
+    if sq == skv:
+        causal = torch.ones(sq, skv, dtype=torch.bool, device=visible.device).tril()
+        if bool((visible == causal).all()):
+            return "causal"
+    return "other"
+
+
+def _visible_from_sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > float("-inf")
+
+
+def _classify_node(gm, mask_node, to_visible) -> tuple[str, str]:
+    """-> (kind, reason): kind in causal/full/other/unknown."""
+    try:
+        mask = evaluate_constant(gm, mask_node)
+    except NotConstant as why:
+        return "unknown", f"mask depends on runtime values ({why})"
+    if not isinstance(mask, torch.Tensor):
+        return "unknown", "mask is not a tensor"
+    if mask.is_floating_point():
+        finite = mask[mask > float("-inf")]
+        if finite.numel() and bool((finite != 0).any()):
+            return "other", "additive mask with values other than 0 / -inf (a bias, not a mask)"
+    kind = classify_visibility(to_visible(mask))
+    return kind, "" if kind != "other" else "dense mask that is neither causal nor full"
+
+
+def _canonicalize_sdpa(gm, node, context):
+    kwargs = sdpa_kwargs(node)
+    mask = kwargs["attn_mask"]
+    if mask is None:
+        return
+    if kwargs["is_causal"]:
+        return  # SDPA itself rejects mask + is_causal
+    if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
+            and not val(mask).is_floating_point():
+        return
+    kind, reason = _classify_node(gm, mask, _visible_from_sdpa_mask)
+    if kind in ("causal", "full"):
+        node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
+        node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
+                       "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}
+        node.meta["burstc_mask"] = f"{kind} (constant mask folded at compile time)"
+    else:
+        node.meta["burstc_refuse"] = reason
+
+
+def _transposed_key(node):
+    """``k.transpose(-2, -1)`` / ``k.transpose(2, 3)`` / ``k.mT`` -> k (for 4-D k), else None."""
+    if is_method(node, "transpose") and len(node.args) == 3:
+        ndim = val(node.args[0]).dim() if val(node.args[0]) is not None else None
+        dims = {d % ndim for d in node.args[1:]} if ndim else set()
+        if ndim and dims == {ndim - 2, ndim - 1}:
+            return node.args[0]
+    if is_function(node, getattr, ) and node.args[1] == "mT":
+        return node.args[0]
+    return None
+
+
+def _match_manual(gm, out_node):
+    """``out_node = softmax(...) @ v`` -> dict(q, k, v, scale, mask_node, mask_kind, nodes) or None."""
+    if not (is_function(out_node, *_MATMUL) and len(out_node.args) == 2):
+        return None
+    probs, v = out_node.args
+    while is_method(probs, "to", "type_as", "float") or (is_function(probs, F.dropout) and not _dropout_active(probs)):
+        probs = probs.args[0]
+    if is_function(probs, *_SOFTMAX):
+        scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
+    elif is_method(probs, "softmax"):
+        scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
+    else:
+        return None
+    if dim not in (-1, 3) or len(probs.users) != 1:
+        return None
+    scale, mask = 1.0, None
+    node = scores
+    while True:
+        if is_function(node, operator.mul) and const_number(node.args[1]) is not None:
+            scale *= node.args[1]
+            node = node.args[0]
+        elif is_function(node, operator.mul) and const_number(node.args[0]) is not None:
+            scale *= node.args[0]
+            node = node.args[1]
+        elif is_function(node, operator.truediv) and const_number(node.args[1]) is not None:
+            scale /= node.args[1]
+            node = node.args[0]
+        elif is_method(node, "masked_fill") and mask is None and node.args[2] == float("-inf"):
+            mask = ("masked_fill", node.args[1])
+            node = node.args[0]
+        elif is_function(node, operator.add) and mask is None and isinstance(node.args[1], fx.Node):
+            mask = ("additive", node.args[1])
+            node = node.args[0]
+        else:
+            break
+    if not (is_function(node, *_MATMUL) and len(node.args) == 2):
+        return None
+    q, kt = node.args
+    k = _transposed_key(kt)
+    if k is None or any(val(t) is None or val(t).dim() != 4 for t in (q, k, v)):
+        return None
+    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softmax=probs)
+
+
+def _dropout_active(node):
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    return bool(training) and p > 0
+
+
+def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
+    if context.world_size <= 1:
+        context.note = "single device: attention left to Inductor"
+        return gm
+    fake_mode = fake_mode_of(gm)
+    for node in list(gm.graph.nodes):
+        if is_function(node, SDPA):
+            _canonicalize_sdpa(gm, node, context)
+            continue
+        match = _match_manual(gm, node)
+        if match is None:
+            continue
+        is_causal = False
+        if match["mask"] is not None:
+            style, mask_node = match["mask"]
+            to_visible = (lambda m: ~m.to(torch.bool)) if style == "masked_fill" else _visible_from_sdpa_mask
+            kind, reason = _classify_node(gm, mask_node, to_visible)
+            if kind not in ("causal", "full"):
+                context.skip(KIND, node, f"manual attention with a {reason or kind + ' mask'}")
+                continue
+            is_causal = kind == "causal"
+        with gm.graph.inserting_before(node):
+            kwargs = {"is_causal": is_causal, "scale": float(match["scale"])}
+            args = (match["q"], match["k"], match["v"])
+            sdpa = gm.graph.call_function(SDPA, args, kwargs)
+            set_meta(sdpa, SDPA, args, kwargs, fake_mode)
+        sdpa.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        sdpa.meta["burstc_mask"] = ("causal" if is_causal else "none") + " (manual softmax attention canonicalized)"
+        node.replace_all_uses_with(sdpa)
+        gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    return gm

@@ -1,0 +1,261 @@
+"""The LM-head + cross-entropy fusion pass: what it rewrites, what it refuses, and that the
+rewritten graph computes the same loss and gradients as eager."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import burstc
+from equivalence import assert_same_training_step
+
+V, H = 53, 12
+
+
+class Head(torch.nn.Module):
+    """An embedding + LM head whose forward is the pattern under test, ``loss_fn(self, hidden, labels)``."""
+
+    def __init__(self, loss_fn, bias=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=bias)
+        self.loss_fn = loss_fn
+
+    def forward(self, ids, labels):
+        return self.loss_fn(self, torch.tanh(self.emb(ids)), labels)
+
+
+def nanogpt_style(m, h, y):
+    logits = m.lm_head(h)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), ignore_index=-1)
+
+
+def torchtitan_style(m, h, y):
+    return F.cross_entropy(m.lm_head(h).flatten(0, 1).float(), y.flatten(0, 1))
+
+
+def hf_style(m, h, y):
+    # transformers 5.x ForCausalLMLoss: upcast, pad-and-shift the labels, flatten
+    logits = m.lm_head(h[:, slice(0, None), :]).float()
+    labels = F.pad(y, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, V), shift.view(-1).to(logits.device), ignore_index=-100, reduction="mean")
+
+
+def hf_num_items_style(m, h, y):
+    logits = m.lm_head(h).float()
+    loss = F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=-100, reduction="sum")
+    return loss / (y != -100).sum()
+
+
+def old_hf_shifted_logits(m, h, y):
+    logits = m.lm_head(h)
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = y[..., 1:].contiguous()
+    return F.cross_entropy(shift_logits.view(-1, V), shift_labels.view(-1))
+
+
+def sum_reduction(m, h, y):
+    return F.cross_entropy(m.lm_head(h).reshape(-1, V), y.reshape(-1), reduction="sum")
+
+
+def none_reduction(m, h, y):
+    per_token = F.cross_entropy(m.lm_head(h).reshape(-1, V), y.reshape(-1), reduction="none")
+    return (per_token * torch.linspace(0.5, 1.5, per_token.numel())).sum()
+
+
+def label_smoothing(m, h, y):
+    return F.cross_entropy(m.lm_head(h).view(-1, V).float(), y.view(-1), label_smoothing=0.1)
+
+
+def softcapped(m, h, y):
+    # Gemma-2 style final-logit soft-capping
+    logits = m.lm_head(h)
+    logits = logits / 30.0
+    logits = torch.tanh(logits)
+    logits = logits * 30.0
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+
+
+REWRITTEN = {
+    "nanogpt": (nanogpt_style, False),
+    "torchtitan": (torchtitan_style, False),
+    "hf": (hf_style, False),
+    "hf_num_items": (hf_num_items_style, False),
+    "old_hf_shifted_logits": (old_hf_shifted_logits, False),
+    "bias": (nanogpt_style, True),
+    "sum": (sum_reduction, False),
+    "none": (none_reduction, False),
+    "label_smoothing": (label_smoothing, False),
+    "softcap": (softcapped, False),
+}
+
+
+def _labels(shape, ignore_fraction=0.25, ignore_index=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, shape, generator=g)
+    y[torch.rand(shape, generator=g) < ignore_fraction] = ignore_index
+    return y
+
+
+@pytest.mark.parametrize("name", sorted(REWRITTEN))
+def test_pattern_is_rewritten_once_and_matches_eager(name):
+    loss_fn, bias = REWRITTEN[name]
+    torch.manual_seed(0)
+    model = Head(loss_fn, bias=bias)
+    ids = torch.randint(0, V, (3, 7))
+    labels = _labels((3, 7), ignore_index=-1 if name in ("nanogpt", "bias") else -100)
+    cmodel = burstc.compile(model, backend="aot_eager")
+    assert_same_training_step(model, lambda m: m(ids, labels), lambda: cmodel(ids, labels))
+    rep = burstc.report(cmodel)
+    assert [r.kind for r in rep.rewrites] == ["lm_head_loss"], str(rep)
+    assert rep.rewrites[0].module_path == "lm_head"
+    rewritten = rep.graphs["rewritten"]
+    assert sum(n.target is F.cross_entropy for n in rewritten.graph.nodes) == 0
+    assert not any(n.target in (torch._C._nn.linear,) and n.args[1].name.endswith("lm_head_parameters_weight_")
+                   for n in rewritten.graph.nodes if n.op == "call_function"), "the LM-head matmul should be gone"
+
+
+def test_details_of_rewrite():
+    model = Head(label_smoothing)
+    cmodel = burstc.compile(model, backend="aot_eager", lm_head_chunk_size=5)
+    ids = torch.randint(0, V, (2, 9))
+    cmodel(ids, ids)
+    record = burstc.report(cmodel).rewrites[0]
+    assert record.tokens == 18 and record.vocab == V and record.hidden == H
+    assert record.chunk_size == 5 and record.label_smoothing == pytest.approx(0.1)
+    assert record.predicted_peak_bytes["fused"] > 0
+
+
+def _returns_logits(m, h, y):
+    logits = m.lm_head(h)
+    loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+    return loss, logits
+
+
+class ReturnsLogits(Head):
+    def forward(self, ids, labels):
+        return _returns_logits(self, torch.tanh(self.emb(ids)), labels)
+
+
+def test_logits_only_returned_become_none_by_default():
+    model = ReturnsLogits(None)
+    ids = torch.randint(0, V, (2, 6))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    loss, logits = cmodel(ids, ids)
+    assert logits is None
+    ref_loss, _ = model(ids, ids)
+    torch.testing.assert_close(loss, ref_loss)
+    rep = burstc.report(cmodel)
+    assert "returned as None" in rep.rewrites[0].logits
+    assert rep.graph_records[0].dropped_outputs == (1,)
+
+
+def test_keep_logits_keeps_them():
+    model = ReturnsLogits(None)
+    ids = torch.randint(0, V, (2, 6))
+    cmodel = burstc.compile(model, backend="aot_eager", keep_logits=True)
+    loss, logits = cmodel(ids, ids)
+    ref_loss, ref_logits = model(ids, ids)
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(loss, ref_loss)
+    assert burstc.report(cmodel).rewrites[0].logits == "kept: keep_logits=True"
+
+
+def _logits_used_elsewhere(m, h, y):
+    logits = m.lm_head(h)
+    loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+    return loss + 0.01 * logits.logsumexp(-1).mean()
+
+
+def test_logits_used_by_other_ops_are_kept_and_reported():
+    torch.manual_seed(0)
+    model = Head(_logits_used_elsewhere)
+    ids = torch.randint(0, V, (2, 6))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    assert_same_training_step(model, lambda m: m(ids, ids), lambda: cmodel(ids, ids))
+    record = burstc.report(cmodel).rewrites[0]
+    assert record.logits.startswith("kept: used by")
+
+
+def class_weights(m, h, y):
+    return F.cross_entropy(m.lm_head(h).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V))
+
+
+def scaled_logits(m, h, y):
+    return F.cross_entropy((m.lm_head(h) * 0.5).view(-1, V), y.view(-1))
+
+
+def class_dim_one(m, h, y):
+    # [B, S, V] -> CE treats dim 1 (S) as the classes after a transpose: not the LM-loss layout
+    return F.cross_entropy(m.lm_head(h).transpose(1, 2), y)
+
+
+def float64_upcast(m, h, y):
+    return F.cross_entropy(m.lm_head(h).double().view(-1, V), y.view(-1)).float()
+
+
+def matmul_head(m, h, y):
+    return F.cross_entropy((h @ m.lm_head.weight.t()).view(-1, V), y.view(-1))
+
+
+def reshape_vocab(m, h, y):
+    logits = m.lm_head(h)
+    return F.cross_entropy(logits.reshape(-1, V // 1).reshape(-1, 1, V).squeeze(1)[:, : V - 3], y.view(-1) % (V - 3))
+
+
+REFUSED = {
+    "class_weights": (class_weights, "class weights"),
+    "scaled_logits": (scaled_logits, "op `mul`"),
+    "class_dim_one": (class_dim_one, r"needs \[tokens, vocab\]"),
+    "float64_upcast": (float64_upcast, "double|float64"),
+    "matmul_head": (matmul_head, "op `matmul`"),
+    "reshape_vocab": (reshape_vocab, "not supported|indexes the logits|reshapes the vocab"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_pattern_not_rewritten_is_skipped_with_reason(name):
+    loss_fn, reason = REFUSED[name]
+    torch.manual_seed(0)
+    model = Head(loss_fn)
+    ids = torch.randint(0, V, (2, 5))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    torch.testing.assert_close(cmodel(ids, ids), model(ids, ids))
+    rep = burstc.report(cmodel)
+    assert rep.rewrites == [], str(rep)
+    assert len(rep.skipped) == 1 and rep.skipped[0].kind == "lm_head_loss"
+    assert re.search(reason, rep.skipped[0].reason), rep.skipped[0].reason
+
+
+def test_no_loss_in_graph_means_no_candidates():
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(H, V)
+
+        def forward(self, h):
+            return self.lm_head(h)
+
+    cmodel = burstc.compile(LogitsOnly(), backend="aot_eager")
+    cmodel(torch.randn(2, H))
+    rep = burstc.report(cmodel)
+    assert rep.rewrites == [] and rep.skipped == [] and rep.passes[0].note == "found no candidates"
+
+
+def test_bf16_model_loss_is_fp32_and_close_to_eager():
+    torch.manual_seed(0)
+    model = Head(hf_style).to(torch.bfloat16)
+    ids = torch.randint(0, V, (4, 16))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    loss, ref = assert_same_training_step(model, lambda m: m(ids, ids), lambda: cmodel(ids, ids), dtype=torch.bfloat16)
+    assert loss.dtype == torch.float32
+
+
+def test_all_ignored_mean_is_nan_like_eager():
+    model = Head(torchtitan_style)
+    ids = torch.randint(0, V, (2, 4))
+    labels = torch.full((2, 4), -100)
+    cmodel = burstc.compile(model, backend="aot_eager")
+    loss = cmodel(ids, labels)
+    assert torch.isnan(loss) and torch.isnan(model(ids, labels))
