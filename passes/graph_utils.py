@@ -56,7 +56,8 @@ def placeholder_kind(node: fx.Node) -> str:
     if isinstance(example, torch.nn.Parameter):
         return "parameter"
     source = getattr(grapharg, "source", None)
-    name = source.name() if source is not None and hasattr(source, "name") else ""
+    name = getattr(source, "name", "") if source is not None else ""
+    name = name() if callable(name) else str(name)
     if "_buffers" in name or "buffers" in node.name:
         return "buffer"
     return "input"

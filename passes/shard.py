@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.layout import required_multiple
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
@@ -128,7 +129,10 @@ class _Analyzer:
         return False
 
     def tensor_args(self, node):
-        return [a for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)]
+        def tensor_like(v):
+            return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) for x in v))
+        return [a for a in node.all_input_nodes if tensor_like(val(a))]
 
     # -- op rules --------------------------------------------------------------------------------
     def pointwise(self, node, operands):
@@ -239,9 +243,11 @@ class _Analyzer:
         # ops with a sharded input
         x = args[0] if args else None
         d = self.place(x)
+        if is_function(node, operator.getitem) and isinstance(d, list):
+            return d[args[1]]
+        if any(isinstance(self.place(a), list) for a in ins):
+            self.refuse(node, f"`{op_name(node)}` takes a tuple of sharded values")
         if is_function(node, operator.getitem):
-            if isinstance(self.place(x), list):
-                return self.place(x)[args[1]]
             out_dim, new_index = self.index_dims(node, x, args[1])
             if new_index != args[1]:
                 self.plan.new_args[node] = ((x, new_index), dict(kwargs))
@@ -261,7 +267,7 @@ class _Analyzer:
             if d == val(x).dim() - 1:
                 self.refuse(node, "linear over the sequence dim")
             return d
-        if is_function(node, F.layer_norm, F.rms_norm, F.group_norm):
+        if node.op == "call_function" and getattr(target, "__name__", "") in ("layer_norm", "rms_norm"):
             shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
             n_norm = len(shape) if isinstance(shape, (list, tuple)) else 1
             if d >= val(x).dim() - n_norm:
