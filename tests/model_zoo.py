@@ -1,0 +1,101 @@
+"""Model, input and loss builders for multi-rank tests (module level: they are pickled to workers).
+
+Every builder seeds itself, so each rank and the single-device reference build the same thing."""
+import torch
+
+
+def titan_llama():
+    from burstc.models import TitanLlama, TitanLlamaArgs, WithLoss
+
+    torch.manual_seed(0)
+    return WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97,
+                                              max_seq_len=64)))
+
+
+def titan_mha():
+    from burstc.models import TitanLlama, TitanLlamaArgs, WithLoss
+
+    torch.manual_seed(0)
+    return WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=97,
+                                              max_seq_len=64)))
+
+
+def titan_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (2, 32), generator=g), torch.randint(0, 97, (2, 32), generator=g)
+
+
+def titan_inputs_odd_length():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (1, 30), generator=g), torch.randint(0, 97, (1, 30), generator=g)
+
+
+def call_with_loss(model, inputs):
+    return model(*inputs)
+
+
+def nanogpt_sdpa():
+    from nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, attention="sdpa"))
+
+
+def nanogpt_manual():
+    from nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, attention="manual"))
+
+
+def nanogpt_inputs():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 97, (2, 32), generator=g), torch.randint(0, 97, (2, 32), generator=g)
+    y[0, 3:9] = -1  # nanoGPT's ignore_index
+    return x, y
+
+
+def nanogpt_loss(model, inputs):
+    return model(*inputs)[1]
+
+
+def hf_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (2, 32), generator=g)
+
+
+def hf_loss_no_cache(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_loss_default(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+class MeanPooled(torch.nn.Module):
+    """Mixes positions outside attention (mean over the sequence): the shard pass must refuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(97, 16)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + h.mean(dim=1, keepdim=True)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def mean_pooled():
+    torch.manual_seed(0)
+    return MeanPooled()
