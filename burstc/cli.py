@@ -45,62 +45,124 @@ def _build_model(args):
     return model, loss_of
 
 
-def demo(argv=None) -> int:
+def _parser():
     parser = argparse.ArgumentParser(prog="burstc demo", description=(
-        "Train a small random-init causal LM on synthetic long sequences with burstc.compile and print "
-        "loss (next to single-device eager at step 0), tokens/s, peak memory and burstc's report."))
+        "Train a small random-init causal LM on synthetic long sequences with burstc.compile, the sequence "
+        "sharded over P gloo ranks (spawned here, or launched by torchrun), and print the loss of step 0 "
+        "next to the single-device eager loss, tokens/s, peak memory and bytes sent per rank, and the report."))
+    parser.add_argument("--ranks", type=int, default=2, help="sequence-parallel ranks (ignored under torchrun)")
     parser.add_argument("--model", choices=["titan-llama", "hf-llama"], default="titan-llama")
-    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
+    parser.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-reference", action="store_true", help="skip the single-device eager loss")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _demo_rank(rank: int, world_size: int, args, init_method: str | None):
+    import os
 
     import torch
+    import torch.distributed as dist
     from tqdm import tqdm
 
     import burstc
+    from burstc.ops.ring_attention import record_stats
 
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     model, loss_of = _build_model(args)
     seq = args.seq_len + (1 if args.model == "titan-llama" else 0)
     gen = torch.Generator().manual_seed(args.seed)
     batches = [torch.randint(0, args.vocab, (args.batch, seq), generator=gen) for _ in range(args.steps)]
 
-    with torch.no_grad():
-        eager_loss0 = loss_of(model, batches[0]).item()
+    eager_loss0 = None
+    if rank == 0 and not args.no_reference:
+        with torch.no_grad():
+            eager_loss0 = loss_of(model, batches[0]).item()
 
-    cmodel = burstc.compile(model, backend=args.backend)
+    mesh = None
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world_size,))
+    cmodel = burstc.compile(model, mesh, backend=args.backend, layout=args.layout)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     tokens_per_step = args.batch * args.seq_len
     rows = []
-    bar = tqdm(range(args.steps), desc="burstc demo", disable=args.no_progress, file=sys.stderr)
-    for step in bar:
-        t0 = time.perf_counter()
-        loss = loss_of(cmodel, batches[step])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        rows.append((step, loss.item(), tokens_per_step / dt, dt))
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+    bar = tqdm(range(args.steps), desc="burstc demo", disable=args.no_progress or rank != 0, file=sys.stderr)
+    with record_stats() as stats:
+        for step in bar:
+            t0 = time.perf_counter()
+            loss = loss_of(cmodel, batches[step])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            rows.append((step, loss.item(), tokens_per_step / dt, dt))
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+    calls_per_step = max(1, len(stats.calls) // max(1, args.steps))
+    sent_per_step = sum(c.total_bytes_sent for c in stats.calls[-calls_per_step:]) if stats.calls else 0
+    per_rank = [(rank, peak_rss_bytes(), sent_per_step)]
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, per_rank[0])
+        per_rank = gathered
+    if rank == 0:
+        print(f"model {args.model}: dim {args.dim}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
+              f"vocab {args.vocab}; {args.batch} x {args.seq_len} tokens per step on {world_size} rank(s) "
+              f"({args.seq_len // world_size} per rank, layout {args.layout}); backend {args.backend}")
+        if eager_loss0 is not None:
+            print(f"step 0 loss: burstc {rows[0][1]:.6f}  single-device eager {eager_loss0:.6f}  "
+                  f"(|diff| {abs(rows[0][1] - eager_loss0):.2e})")
+        for step, loss_value, tps, dt in rows:
+            note = "  (includes compilation)" if step == 0 else ""
+            print(f"step {step}: loss {loss_value:.4f}  {tps:,.0f} tokens/s  {dt:.2f} s{note}")
+        for r, rss, sent in per_rank:
+            print(f"rank {r}: peak resident memory {rss / 2**20:,.0f} MiB, ring attention sent "
+                  f"{sent / 2**20:,.2f} MiB per step")
+        print(burstc.report(cmodel))
+    if world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
-    print(f"model {args.model}: dim {args.dim}, {args.layers} layers, {args.heads} heads "
-          f"({args.kv_heads} kv), vocab {args.vocab}; {args.batch} x {args.seq_len} tokens per step; "
-          f"backend {args.backend}; 1 process")
-    print(f"step 0 loss: burstc {rows[0][1]:.6f}  single-device eager {eager_loss0:.6f}  "
-          f"(|diff| {abs(rows[0][1] - eager_loss0):.2e})")
-    for step, loss_value, tps, dt in rows:
-        note = "  (includes compilation)" if step == 0 else ""
-        print(f"step {step}: loss {loss_value:.4f}  {tps:,.0f} tokens/s  {dt:.2f} s{note}")
-    print(f"peak resident memory: {peak_rss_bytes() / 2**20:,.0f} MiB")
-    print(burstc.report(cmodel))
+
+def demo(argv=None) -> int:
+    import os
+
+    args = _parser().parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        _demo_rank(dist.get_rank(), dist.get_world_size(), args, None)
+        return 0
+    if args.ranks <= 1:
+        _demo_rank(0, 1, args, None)
+        return 0
+    import torch.multiprocessing as mp
+
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.start_processes(_demo_rank, args=(args.ranks, args, init_method), nprocs=args.ranks, join=True,
+                       start_method="spawn")
     return 0
 
 

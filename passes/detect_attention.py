@@ -169,9 +169,11 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.note = "single device: attention left to Inductor"
         return gm
     fake_mode = fake_mode_of(gm)
+    folded = manual = 0
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
             _canonicalize_sdpa(gm, node, context)
+            folded += "burstc_mask" in node.meta
             continue
         match = _match_manual(gm, node)
         if match is None:
@@ -194,5 +196,9 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         sdpa.meta["burstc_mask"] = ("causal" if is_causal else "none") + " (manual softmax attention canonicalized)"
         node.replace_all_uses_with(sdpa)
         gm.graph.erase_node(node)
+        manual += 1
+    if folded or manual:
+        context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
+                        f"{manual} manual attention(s) canonicalized to SDPA (the shard pass rewrites them)")
     gm.graph.eliminate_dead_code()
     return gm
