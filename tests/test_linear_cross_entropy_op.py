@@ -1,0 +1,533 @@
+"""burstc.ops.linear_cross_entropy (CPU chunked path) against the materialized-logits oracle."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import burstc.ops.linear_cross_entropy as lce_ops
+from burstc.kernels.linear_cross_entropy import (
+    chunked_linear_cross_entropy,
+    default_chunk_size,
+    linear_cross_entropy_reference,
+)
+from burstc.ops.linear_cross_entropy import linear_cross_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    loss_rtol: float
+    loss_atol: float  # times max(1, max |expected loss|)
+    grad_rtol: float
+    # atol per entry = grad_term_atol * sum_k |term_k| of that entry's sum (e.g. sum_v |dlogits_nv| |W_vh| for
+    # grad_hidden[n, h]): the forward-error bound of a dot product whose terms carry a relative rounding error.
+    # Gradients cancel (sum_v dlogits_nv = 0), so a bound relative to the result or its max is not enough.
+    grad_term_atol: float
+
+
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP32_UNIT_ROUNDOFF = 2.0**-24
+
+# Expected values come from the fp64 oracle evaluated at the same input-dtype-rounded logits.
+TOLERANCES = {
+    # fp32 loss: the same fp32 math in another order (chunk sums, exp(z - max) / sum vs log_softmax): a few ulps
+    # per token, summed over <= 64 tokens. fp32 grads: softmax entries carry ~u * |z - max| relative error (logit
+    # ranges up to ~30 here), hence 64 u per term.
+    torch.float32: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=1e-5, grad_term_atol=64 * FP32_UNIT_ROUNDOFF),
+    # bf16 loss: fp32 softmax on the *same* bf16 logits, so fp32-exact like fp32. bf16 grads: dlogits are rounded
+    # to bf16 before the matmuls (as eager autograd does: u per term), weight-grad chunk partials once more (u per
+    # term), the result and the oracle's result once each (2u relative): 3u per term + 4u relative for margin.
+    torch.bfloat16: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=4 * BF16_UNIT_ROUNDOFF,
+                              grad_term_atol=3 * BF16_UNIT_ROUNDOFF),
+}
+
+
+def assert_close_nan_aware(actual, expected, *, rtol, atol, what=""):
+    """|actual - expected| <= atol + rtol * |expected| on finite entries; NaN/inf must sit at the same places.
+
+    ``atol`` may be a tensor (per-entry bound). A NaN on one side only always fails; NaN on both sides (e.g.
+    all-ignored "mean") passes. torch.testing.assert_close(equal_nan=True) is close, but takes no per-entry atol.
+    """
+    actual = actual.detach().to(torch.float64)
+    expected = expected.detach().to(torch.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan_actual, nan_expected = torch.isnan(actual), torch.isnan(expected)
+    assert torch.equal(nan_actual, nan_expected), (
+        f"{what}: NaN mismatch ({int(nan_actual.sum())} vs {int(nan_expected.sum())})"
+    )
+    inf_actual, inf_expected = torch.isinf(actual), torch.isinf(expected)
+    assert torch.equal(inf_actual, inf_expected), f"{what}: inf mismatch"
+    assert torch.equal(actual[inf_actual], expected[inf_expected]), f"{what}: inf sign mismatch"
+    finite = ~(nan_actual | inf_actual)
+    atol = torch.as_tensor(atol, dtype=torch.float64).expand(actual.shape)[finite]
+    error = (actual[finite] - expected[finite]).abs()
+    bound = atol + rtol * expected[finite].abs()
+    if error.numel():
+        worst = int(torch.argmax(error - bound))
+        assert bool((error <= bound).all()), (
+            f"{what}: max excess {float((error - bound)[worst]):.3e} at error {float(error[worst]):.3e} "
+            f"(bound {float(bound[worst]):.3e}); max error {float(error.max()):.3e}"
+        )
+
+
+def gradient_term_magnitudes(hidden, weight, target, bias, grad_output, *, reduction="mean", normalizer=None,
+                             label_smoothing=0.0, softcap=None):
+    """sum_k |term_k| for every entry of grad_hidden, grad_weight, grad_bias (fp64, from the exact softmax).
+
+    |dlogits_nv| <= s_n (p_nv + (1 - eps) [v = t_n] + eps / V) |softcap'(x_nv)| with s_n = d total / d loss_n.
+    """
+    vocab, hidden_size = weight.shape
+    hidden_NH = hidden.detach().reshape(-1, hidden_size).double()
+    target_N = target.reshape(-1)
+    valid_N = target_N != -100
+    logits = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach()).double()
+    logits = logits.reshape(-1, vocab)
+    softcap_slope = torch.ones_like(logits)
+    if softcap is not None:
+        tanh = torch.tanh(logits / softcap)
+        # + tanh^2 / 16: in fp32, 1 - tanh^2 carries ~4u absolute error however small it is (saturated logits);
+        # the 64u fp32 term tolerance turns that into 1/16 of tanh^2 (bf16 rounding dominates it in bf16)
+        logits, softcap_slope = softcap * tanh, 1 - tanh**2 + tanh**2 / 16
+    if reduction == "none":
+        scale_N = grad_output.double().reshape(-1)
+    elif normalizer is not None:
+        scale_N = torch.full_like(valid_N, 1.0 / float(normalizer.detach()), dtype=torch.float64)
+    elif reduction == "mean":
+        scale_N = torch.full_like(valid_N, 1.0 / max(int(valid_N.sum()), 1), dtype=torch.float64)
+    else:
+        scale_N = torch.ones_like(valid_N, dtype=torch.float64)
+    scale_N = torch.where(valid_N, scale_N.abs(), 0.0)
+    onehot = F.one_hot(torch.where(valid_N, target_N, 0), vocab).double()
+    magnitude_NV = torch.softmax(logits, dim=1) + (1 - label_smoothing) * onehot + label_smoothing / vocab
+    magnitude_NV = magnitude_NV * softcap_slope * scale_N[:, None]
+    grad_hidden = (magnitude_NV @ weight.detach().double().abs()).reshape(hidden.shape)
+    grad_weight = magnitude_NV.t() @ hidden_NH.abs()
+    grad_bias = magnitude_NV.sum(0) if bias is not None else None
+    return grad_hidden, grad_weight, grad_bias
+
+
+def assert_grads_close(actual_grads, expected_grads, tol, term_magnitudes, names=("hidden", "weight", "bias")):
+    for name, actual, expected, magnitude in zip(names, actual_grads, expected_grads, term_magnitudes):
+        if expected is None:
+            assert actual is None, name
+            continue
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+        assert_close_nan_aware(actual, expected, rtol=tol.grad_rtol, atol=tol.grad_term_atol * magnitude,
+                               what=f"grad {name}")
+
+
+def assert_grads_match(actual_grads, expected_grads, *, rtol, atol_of_max, names=("hidden", "weight", "bias")):
+    """For two runs of the same fp32 computation (compiled vs eager, chunk sizes): tight, relative to the max."""
+    for name, actual, expected in zip(names, actual_grads, expected_grads):
+        if expected is None:
+            assert actual is None, name
+            continue
+        scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
+        assert_close_nan_aware(actual, expected, rtol=rtol, atol=atol_of_max * scale, what=f"grad {name}")
+
+
+def test_assert_helper_fails_on_nan_mismatch_and_large_errors():
+    one = torch.tensor([1.0, 2.0])
+    with pytest.raises(AssertionError, match="NaN mismatch"):
+        assert_close_nan_aware(torch.tensor([1.0, float("nan")]), one, rtol=1.0, atol=1.0)
+    with pytest.raises(AssertionError, match="NaN mismatch"):
+        assert_close_nan_aware(one, torch.tensor([float("nan"), 2.0]), rtol=1.0, atol=1.0)
+    with pytest.raises(AssertionError, match="max excess"):
+        assert_close_nan_aware(one + 1e-3, one, rtol=1e-4, atol=1e-4)
+    assert_close_nan_aware(torch.tensor([float("nan")]), torch.tensor([float("nan")]), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# data
+
+
+def make_inputs(num_tokens, vocab, hidden, dtype, *, has_bias, ignore_fraction, seed, leading=None, logit_scale=3.0):
+    generator = torch.Generator().manual_seed(seed)
+    shape = (num_tokens,) if leading is None else leading
+    hidden_t = torch.randn(*shape, hidden, generator=generator).to(dtype).requires_grad_()
+    # std(logit) ~ logit_scale so the softmax is neither uniform nor one-hot
+    weight = (torch.randn(vocab, hidden, generator=generator) * (logit_scale / math.sqrt(hidden))).to(dtype)
+    weight.requires_grad_()
+    bias = (torch.randn(vocab, generator=generator) * 0.5).to(dtype).requires_grad_() if has_bias else None
+    target = torch.randint(0, vocab, shape, generator=generator)
+    ignored = torch.rand(shape, generator=generator) < ignore_fraction
+    if ignore_fraction >= 1.0:
+        ignored[...] = True
+    target = torch.where(ignored, torch.full_like(target, -100), target)
+    return hidden_t, weight, target, bias
+
+
+def grad_output_for(loss, seed=0):
+    if loss.dim() == 0:
+        return torch.ones((), dtype=torch.float32, device=loss.device)
+    # "none": weight each token differently so per-token gradient scaling is exercised
+    return (torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed)) + 0.5).to(loss.device)
+
+
+def loss_and_grads(fn, hidden, weight, target, bias, **kwargs):
+    """(loss, [grad_hidden, grad_weight, grad_bias or None]) of sum(grad_output_for(loss) * loss)."""
+    loss = fn(hidden, weight, target, bias, **kwargs)
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    grads = list(torch.autograd.grad(loss, leaves, grad_output_for(loss).to(loss.dtype)))
+    if bias is None:
+        grads.append(None)
+    return loss, grads
+
+
+def oracle(hidden, weight, target, bias, **kwargs):
+    return linear_cross_entropy_reference(hidden, weight, target, bias, compute_dtype=torch.float64, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# property test against the oracle
+
+
+@st.composite
+def lce_cases(draw):
+    num_tokens = draw(st.sampled_from([1, 7, 37]) | st.integers(1, 64))
+    return dict(
+        num_tokens=num_tokens,
+        vocab=draw(st.sampled_from([5, 127, 1001]) | st.integers(2, 300)),
+        hidden=draw(st.integers(3, 96)),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        has_bias=draw(st.booleans()),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        ignore_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 0.7])),
+        softcap=draw(st.sampled_from([None, None, 2.0, 30.0])),
+        chunk_size=draw(st.sampled_from([None, 1, 3, 16]) | st.integers(1, 70)),
+        leading=draw(st.sampled_from([None, "batch"])) if num_tokens % 2 == 0 else None,
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=lce_cases())
+def test_matches_oracle(case):
+    leading = (2, case["num_tokens"] // 2) if case["leading"] else None
+    hidden, weight, target, bias = make_inputs(
+        case["num_tokens"], case["vocab"], case["hidden"], case["dtype"], has_bias=case["has_bias"],
+        ignore_fraction=case["ignore_fraction"], seed=case["seed"], leading=leading,
+    )
+    options = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"], softcap=case["softcap"])
+    loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias,
+                                 chunk_size=case["chunk_size"], **options)
+    expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
+
+    assert loss.dtype == torch.float32
+    assert loss.shape == expected_loss.shape
+    tol = TOLERANCES[case["dtype"]]
+    scale = float(expected_loss.detach().abs().nan_to_num().max()) if expected_loss.numel() else 0.0
+    assert_close_nan_aware(loss, expected_loss, rtol=tol.loss_rtol, atol=tol.loss_atol * max(scale, 1.0),
+                           what="loss")
+    all_ignored = bool((target == -100).all())
+    if case["reduction"] == "mean" and all_ignored:
+        assert torch.isnan(loss), "all-ignored mean must be 0/0 = NaN like eager"
+    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(loss), **options)
+    assert_grads_close(grads, expected_grads, tol, magnitudes)
+
+
+def test_matches_eager_cross_entropy_exactly_in_fp32_semantics():
+    """The op's contract is eager F.cross_entropy(F.linear(h, W, b).float(), t): check against eager itself."""
+    hidden, weight, target, bias = make_inputs(45, 301, 40, torch.bfloat16, has_bias=True, ignore_fraction=0.2,
+                                               seed=3)
+    eager = F.cross_entropy(F.linear(hidden, weight, bias).float(), target)
+    fused = linear_cross_entropy(hidden, weight, target, bias, chunk_size=8)
+    assert_close_nan_aware(fused, eager, rtol=2e-6, atol=2e-6, what="loss vs eager")
+    eager_grads = torch.autograd.grad(eager, (hidden, weight, bias))
+    fused_grads = torch.autograd.grad(fused, (hidden, weight, bias))
+    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(fused))
+    assert_grads_close(fused_grads, eager_grads, TOLERANCES[torch.bfloat16], magnitudes)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_explicit_normalizer(reduction):
+    hidden, weight, target, bias = make_inputs(37, 127, 24, torch.float32, has_bias=True, ignore_fraction=0.3, seed=5)
+    normalizer = torch.tensor(91.5, requires_grad=True)  # e.g. a global (sequence-parallel) token count
+    options = dict(reduction=reduction, label_smoothing=0.1, softcap=4.0)
+    loss = linear_cross_entropy(hidden, weight, target, bias, normalizer=normalizer, chunk_size=5, **options)
+    expected = oracle(hidden, weight, target, bias, normalizer=normalizer, **options)
+    per_token_sum = oracle(hidden, weight, target, bias, reduction="sum", label_smoothing=0.1, softcap=4.0)
+    assert_close_nan_aware(loss, per_token_sum / 91.5, rtol=1e-6, atol=1e-6, what="sum / normalizer")
+    assert_close_nan_aware(loss, expected, rtol=1e-6, atol=1e-6, what="loss")
+    grads = torch.autograd.grad(loss, (hidden, weight, bias, normalizer))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight, bias, normalizer))
+    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(loss),
+                                          normalizer=normalizer, **options)
+    assert_grads_close(grads[:3], expected_grads[:3], TOLERANCES[torch.float32], magnitudes)
+    # d (S / n) / dn = -S / n^2
+    assert_close_nan_aware(grads[3], -per_token_sum / 91.5**2, rtol=1e-6, atol=0, what="grad normalizer")
+    assert_close_nan_aware(grads[3], expected_grads[3], rtol=1e-6, atol=0, what="grad normalizer vs oracle")
+    # an integer normalizer (a count) is accepted and not differentiated
+    count = (target != -100).sum() * 2
+    loss_int = linear_cross_entropy(hidden, weight, target, bias, normalizer=count, **options)
+    assert_close_nan_aware(loss_int, per_token_sum / float(count), rtol=1e-6, atol=1e-6, what="int normalizer")
+
+
+def test_sum_without_normalizer_is_plain_sum_and_mean_counts_non_ignored():
+    hidden, weight, target, bias = make_inputs(20, 50, 8, torch.float32, has_bias=False, ignore_fraction=0.5, seed=9)
+    per_token = linear_cross_entropy(hidden, weight, target, reduction="none")
+    assert bool((per_token[target == -100] == 0).all())
+    total = linear_cross_entropy(hidden, weight, target, reduction="sum")
+    mean = linear_cross_entropy(hidden, weight, target, reduction="mean")
+    count = int((target != -100).sum())
+    assert 0 < count < 20
+    assert_close_nan_aware(total, per_token.sum(), rtol=1e-6, atol=1e-6, what="sum")
+    assert_close_nan_aware(mean, per_token.sum() / count, rtol=1e-6, atol=1e-6, what="mean")
+
+
+def test_chunk_sizes_that_do_not_divide_tokens_agree():
+    hidden, weight, target, bias = make_inputs(37, 211, 16, torch.float32, has_bias=True, ignore_fraction=0.2, seed=2)
+    reference_loss, reference_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias,
+                                                     chunk_size=37)
+    for chunk in (1, 5, 10, 36, 1000):
+        loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, chunk_size=chunk)
+        assert_close_nan_aware(loss, reference_loss, rtol=1e-6, atol=1e-6, what=f"loss chunk={chunk}")
+        assert_grads_match(grads, reference_grads, rtol=1e-5, atol_of_max=1e-5)
+
+
+def test_partial_requires_grad_and_no_grad():
+    hidden, weight, target, bias = make_inputs(12, 33, 8, torch.float32, has_bias=True, ignore_fraction=0.0, seed=4)
+    frozen_weight = weight.detach()
+    loss = linear_cross_entropy(hidden, frozen_weight, target, bias.detach())
+    (grad_hidden,) = torch.autograd.grad(loss, (hidden,))
+    expected = oracle(hidden, frozen_weight, target, bias.detach())
+    (expected_grad_hidden,) = torch.autograd.grad(expected, (hidden,))
+    magnitudes = gradient_term_magnitudes(hidden, frozen_weight, target, bias, grad_output_for(loss))
+    assert_grads_close([grad_hidden], [expected_grad_hidden], TOLERANCES[torch.float32], magnitudes[:1])
+    with torch.no_grad():
+        no_grad_loss = linear_cross_entropy(hidden, weight, target, bias)
+    assert not no_grad_loss.requires_grad
+    assert_close_nan_aware(no_grad_loss, expected, rtol=1e-6, atol=1e-6, what="no-grad loss")
+
+
+def test_fp64_gradcheck():
+    hidden, weight, target, bias = make_inputs(6, 11, 5, torch.float64, has_bias=True, ignore_fraction=0.3, seed=1)
+    for reduction in ("mean", "none"):
+        assert torch.autograd.gradcheck(
+            lambda h, w, b: linear_cross_entropy(h, w, target, b, reduction=reduction, label_smoothing=0.2,
+                                                 softcap=3.0, chunk_size=4),
+            (hidden, weight, bias),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# validation
+
+
+def test_invalid_inputs_raise_clear_errors():
+    hidden, weight, target, bias = make_inputs(4, 9, 3, torch.float32, has_bias=True, ignore_fraction=0.0, seed=0)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        linear_cross_entropy(hidden, torch.randn(9, 4), target)
+    with pytest.raises(ValueError, match="target shape"):
+        linear_cross_entropy(hidden, weight, target[:3])
+    with pytest.raises(TypeError, match="integer class indices"):
+        linear_cross_entropy(hidden, weight, target.float())
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(hidden, weight, target, reduction="avg")
+    with pytest.raises(ValueError, match="bias must have shape"):
+        linear_cross_entropy(hidden, weight, target, torch.randn(8))
+    with pytest.raises(TypeError, match="dtype"):
+        linear_cross_entropy(hidden, weight.bfloat16(), target)
+    with pytest.raises(NotImplementedError, match="per-class weights"):
+        linear_cross_entropy(hidden, weight, target, class_weight=torch.ones(9))
+    with pytest.raises(ValueError, match="impl"):
+        linear_cross_entropy(hidden, weight, target, impl="cuda")
+    with pytest.raises(ValueError, match="normalizer"):
+        linear_cross_entropy(hidden, weight, target, normalizer=torch.ones(2))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(hidden, weight, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(hidden, weight, target, softcap=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(hidden, weight, target, chunk_size=0)
+    # int32 targets are accepted (converted to int64)
+    assert_close_nan_aware(linear_cross_entropy(hidden, weight, target.int()),
+                           linear_cross_entropy(hidden, weight, target), rtol=0, atol=0, what="int32 target")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_fullgraph_matches_eager_op(backend, reduction):
+    hidden, weight, target, bias = make_inputs(26, 97, 12, torch.float32, has_bias=True, ignore_fraction=0.25,
+                                               seed=11, leading=(2, 13))
+
+    def loss_fn(h, w, t, b):
+        loss = linear_cross_entropy(h, w, t, b, reduction=reduction, label_smoothing=0.1, softcap=5.0, chunk_size=6)
+        return loss if reduction == "mean" else (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum()
+
+    eager_loss = loss_fn(hidden, weight, target, bias)
+    eager_grads = torch.autograd.grad(eager_loss, (hidden, weight, bias))
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)
+    compiled_loss = compiled(hidden, weight, target, bias)
+    compiled_grads = torch.autograd.grad(compiled_loss, (hidden, weight, bias))
+    assert_close_nan_aware(compiled_loss, eager_loss, rtol=1e-6, atol=1e-6, what="compiled loss")
+    assert_grads_match(compiled_grads, eager_grads, rtol=1e-6, atol_of_max=1e-6)
+    # the count normalizer is traced as a tensor: changing which tokens are ignored must not recompile or go stale
+    other_target = target.clone()
+    other_target[0, :5] = -100
+    recompiled_loss = compiled(hidden, weight, other_target, bias)
+    assert_close_nan_aware(recompiled_loss, loss_fn(hidden, weight, other_target, bias), rtol=1e-6, atol=1e-6,
+                           what="compiled loss, other mask")
+
+
+def test_compiled_graph_contains_only_the_fused_op():
+    hidden, weight, target, bias = make_inputs(8, 40, 6, torch.float32, has_bias=False, ignore_fraction=0.0, seed=0)
+    seen = []
+
+    def spy_backend(graph_module, example_inputs):
+        seen.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t), backend=spy_backend, fullgraph=True)(
+        hidden, weight, target
+    )
+    assert any("linear_cross_entropy_with_grads" in target_name for target_name in seen), seen
+    assert not any("cross_entropy" in name and "burstc" not in name for name in seen), seen
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# numerics: fp32 weight-grad accumulation in bf16
+
+
+def _fp64_weight_grad(hidden, weight, target):
+    weight64 = weight.detach().double().requires_grad_()
+    # at the bf16-rounded logits (what every bf16 implementation sees), differentiated in fp64
+    rounded = F.linear(hidden.detach(), weight.detach()).double()
+    exact = F.linear(hidden.detach().double(), weight64)
+    loss = F.cross_entropy(rounded + (exact - exact.detach()), target)
+    (grad,) = torch.autograd.grad(loss, (weight64,))
+    return grad
+
+
+def test_bf16_weight_grad_accumulates_in_fp32_across_many_chunks():
+    num_tokens, vocab, hidden_size, chunk = 2048, 256, 32, 16  # 128 chunks
+    hidden, weight, target, _ = make_inputs(num_tokens, vocab, hidden_size, torch.bfloat16, has_bias=False,
+                                            ignore_fraction=0.0, seed=7)
+    expected = _fp64_weight_grad(hidden, weight, target)
+    loss = linear_cross_entropy(hidden, weight, target, chunk_size=chunk)
+    (grad_weight,) = torch.autograd.grad(loss, (weight,))
+    assert grad_weight.dtype == torch.bfloat16
+
+    # bf16 single-rounding tolerance: unit roundoff u = 2^-8, relative, plus u * max for cancelling entries
+    unit_roundoff = 2.0**-8
+    scale = float(expected.abs().max())
+    assert_close_nan_aware(grad_weight, expected, rtol=unit_roundoff, atol=unit_roundoff * scale,
+                           what="chunked bf16 weight grad")
+    error = (grad_weight.double() - expected).norm() / expected.norm()
+    single_rounding_error = (expected.bfloat16().double() - expected).norm() / expected.norm()
+    assert error < 2.0 * single_rounding_error, (float(error), float(single_rounding_error))
+
+    # the same chunk loop with a bf16 accumulator (the pitfall) fails the same bound: the test can fail
+    grad_logits_scale = torch.full((num_tokens,), 1.0 / num_tokens)
+    naive = torch.zeros_like(weight)
+    for start in range(0, num_tokens, chunk):
+        *_, grad_weight_chunk, _ = chunked_linear_cross_entropy(
+            hidden.detach()[start:start + chunk], weight.detach(), target[start:start + chunk],
+            token_grad_scale_N=grad_logits_scale[start:start + chunk], need_grad_hidden=False,
+        )
+        naive += grad_weight_chunk
+    naive_error = (naive.double() - expected).norm() / expected.norm()
+    assert naive_error > 2.0 * single_rounding_error, (float(naive_error), float(single_rounding_error))
+    with pytest.raises(AssertionError):
+        assert_close_nan_aware(naive, expected, rtol=unit_roundoff, atol=unit_roundoff * scale, what="naive")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# memory and matmul count
+
+
+class _TensorRecorder(TorchDispatchMode):
+    """Records every op and the numel of every tensor it returns, looking inside burstc's custom ops too."""
+
+    OP_BODIES = {
+        torch.ops.burstc.linear_cross_entropy_with_grads.default: lce_ops._with_grads_impl,
+        torch.ops.burstc.linear_cross_entropy_forward.default: lce_ops._forward_op_impl,
+        torch.ops.burstc.linear_cross_entropy_backward.default: lce_ops._backward_op_impl,
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.largest_numel = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append(str(func.overloadpacket.__name__) if func.namespace != "burstc" else str(func))
+        body = self.OP_BODIES.get(func)
+        if body is not None:
+            with self:  # run the op's python body under this mode so its internal allocations are seen
+                out = body(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest_numel = max(self.largest_numel, tensor.numel())
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_never_allocates_tokens_by_vocab(reduction, dtype):
+    num_tokens, vocab, hidden_size, chunk = 256, 1000, 32, 32
+    hidden, weight, target, bias = make_inputs(num_tokens, vocab, hidden_size, dtype, has_bias=True,
+                                               ignore_fraction=0.1, seed=0)
+    recorder = _TensorRecorder()
+    with recorder:
+        loss = linear_cross_entropy(hidden, weight, target, bias, reduction=reduction, chunk_size=chunk,
+                                    label_smoothing=0.1, softcap=10.0)
+        loss.sum().backward()
+    assert any("burstc" in op for op in recorder.ops), recorder.ops[:10]
+    assert recorder.largest_numel < num_tokens * vocab
+    assert recorder.largest_numel <= max(chunk * vocab, vocab * hidden_size, num_tokens * hidden_size)
+    # the recorder does see [N, V] tensors when they exist: the unfused reference trips it
+    eager_recorder = _TensorRecorder()
+    with eager_recorder:
+        linear_cross_entropy_reference(hidden, weight, target, bias).backward()
+    assert eager_recorder.largest_numel >= num_tokens * vocab
+
+
+def _count_matmuls(ops):
+    return sum(op in ("mm", "addmm") for op in ops)
+
+
+def test_training_path_does_three_matmuls_per_chunk_and_inference_one():
+    num_tokens, chunk = 40, 8  # 5 chunks
+    hidden, weight, target, bias = make_inputs(num_tokens, 64, 16, torch.bfloat16, has_bias=True,
+                                               ignore_fraction=0.0, seed=0)
+    training = _TensorRecorder()
+    with training:
+        loss = linear_cross_entropy(hidden, weight, target, bias, chunk_size=chunk)
+    assert "burstc.linear_cross_entropy_with_grads.default" in training.ops
+    assert _count_matmuls(training.ops) == 3 * 5
+    backward = _TensorRecorder()
+    with backward:
+        loss.backward()
+    assert _count_matmuls(backward.ops) == 0  # backward only scales the precomputed gradients
+    inference = _TensorRecorder()
+    with inference, torch.no_grad():
+        linear_cross_entropy(hidden, weight, target, bias, chunk_size=chunk)
+    assert "burstc.linear_cross_entropy_forward.default" in inference.ops
+    assert _count_matmuls(inference.ops) == 5
+
+
+def test_default_chunk_size_memory_budget():
+    # bf16, V = 32768: 8 bytes per vocab entry per row -> 128 rows in 32 MiB; capped by the token count
+    assert default_chunk_size(None, 32768, 256, torch.bfloat16) == 128
+    assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 64
+    assert default_chunk_size(100, 32768, 256, torch.bfloat16) == 100
+    assert default_chunk_size(None, 32768, 256, torch.float32) == 256
+    assert default_chunk_size(None, 32768, 256, torch.float32, softcap=True) == 128
+    assert default_chunk_size(None, 10**7, 256, torch.float32) == 16  # floor for matmul efficiency

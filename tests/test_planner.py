@@ -1,0 +1,126 @@
+"""The communication planner: plan choice, byte formulas, and formulas == bytes actually sent."""
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+from burstc import layout as layouts
+from burstc import planner
+from burstc.planner import plan_attention
+from burstc.testing import WorkerPool
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_burst_for_mha_kv_ring_for_gqa(dtype):
+    assert plan_attention(1, 4096, 4, 32, 32, 128, dtype).plan == "burst"
+    assert plan_attention(1, 4096, 4, 32, 16, 128, dtype).plan == "kv_ring"  # Hq = 2 Hkv
+    assert plan_attention(1, 4096, 4, 32, 8, 128, dtype).plan == "kv_ring"   # Hq = 4 Hkv
+    assert plan_attention(1, 4096, 4, 32, 1, 128, dtype).plan == "kv_ring"   # MQA
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, 1032 / 1536), (torch.float32, 1544 / 2048)])
+def test_mha_burst_over_kv_ring_ratio_at_head_dim_128(dtype, expected):
+    plan = plan_attention(2, 32768, 8, 40, 40, 128, dtype)
+    assert plan.plan == "burst" and plan.alternative == "kv_ring"
+    ratio = plan.predicted_bytes["backward"] / plan.alternative_bytes["backward"]
+    assert ratio == pytest.approx(expected, rel=1e-12) and ratio <= 0.76
+    assert plan.backward_ratio == pytest.approx(ratio, rel=1e-12)
+
+
+def test_formulas_by_hand():
+    batch, seq_len, world, heads_q, heads_kv, head_dim, a = 2, 96, 3, 6, 2, 16, 2
+    s = seq_len // world
+    plan = plan_attention(batch, seq_len, world, heads_q, heads_kv, head_dim, torch.bfloat16)
+    kv_ring = 2 * batch * s * heads_kv * head_dim * a + 2 * batch * s * heads_kv * head_dim * 4
+    burst = 2 * batch * s * heads_q * head_dim * a + batch * s * heads_q * head_dim * 4 + 2 * batch * s * heads_q * 4
+    assert plan.predicted_bytes == {"forward": 2 * batch * s * heads_kv * head_dim * a, "backward": kv_ring}
+    assert plan.alternative_bytes["backward"] == burst
+    assert plan.total_bytes == {"forward": (world - 1) * 2 * batch * s * heads_kv * head_dim * a,
+                                "backward": (world - 1) * kv_ring}
+    assert plan.alternative_total_bytes["backward"] == (world - 1) * burst
+
+
+def test_symbolic_expressions():
+    P = planner.P
+    for per_step, per_call in [(planner.FORWARD_BYTES_PER_STEP, planner.FORWARD_BYTES_PER_CALL),
+                               (planner.KV_RING_BACKWARD_BYTES_PER_STEP, planner.KV_RING_BACKWARD_BYTES_PER_CALL),
+                               (planner.BURST_BACKWARD_BYTES_PER_STEP, planner.BURST_BACKWARD_BYTES_PER_CALL)]:
+        assert sympy.simplify(per_call - (P - 1) * per_step) == 0
+    mha_ratio = (planner.BURST_BACKWARD_BYTES_PER_STEP / planner.KV_RING_BACKWARD_BYTES_PER_STEP).subs(planner.Hkv, planner.Hq)
+    D, a = planner.D, planner.a
+    assert sympy.simplify(mha_ratio - (2 * D * a + 4 * D + 8) / (2 * D * (a + 4))) == 0
+    expressions = plan_attention(1, 64, 4, 4, 4, 8, torch.float32).expressions
+    assert set(expressions) == {"forward", "kv_ring", "burst"}
+    assert expressions["burst"] is planner.BURST_BACKWARD_BYTES_PER_STEP
+
+
+def test_single_rank_sends_nothing():
+    plan = plan_attention(1, 64, 1, 4, 4, 8, torch.float32)
+    assert plan.predicted_bytes == plan.total_bytes == {"forward": 0, "backward": 0}
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of heads_kv"):
+        plan_attention(1, 64, 2, 4, 3, 8, torch.float32)
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        plan_attention(1, 65, 2, 4, 4, 8, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The prediction is exactly what the op sends
+
+
+def _measure_bytes(rank, world_size, shape, dtype, layout, causal, plan):
+    from burstc.ops import ring_attention as ra
+
+    batch, heads_q, heads_kv, local_len, head_dim = shape
+    generator = torch.Generator().manual_seed(0)
+    seq_len = local_len * world_size
+    q = torch.randn(batch, heads_q, seq_len, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(batch, heads_kv, seq_len, head_dim, generator=generator).to(dtype) for _ in range(2))
+    q_l, k_l, v_l = (layouts.shard(t, 2, world_size, rank, layout).requires_grad_() for t in (q, k, v))
+    with ra.record_stats() as stats:
+        out = ra.ring_attention(q_l, k_l, v_l, causal=causal, layout=layout, plan=plan)
+        out.sum().backward()
+    (forward,), (backward,) = stats.of("forward"), stats.of("backward")
+    return {"forward_per_step": forward.bytes_sent_per_step, "forward_total": forward.total_bytes_sent,
+            "backward_per_step": backward.bytes_sent_per_step, "backward_total": backward.total_bytes_sent,
+            "plan": backward.plan}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with WorkerPool(run_timeout_s=120) as pool:
+        yield pool
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1), (6, 2)], ids=["mha", "mqa", "gqa"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_byte_counter_equals_prediction(workers, world_size, heads, dtype):
+    heads_q, heads_kv = heads
+    batch, local_len, head_dim = 2, 6, 8
+    prediction = plan_attention(batch, local_len * world_size, world_size, heads_q, heads_kv, head_dim, dtype)
+    values = (batch, local_len * world_size, world_size, heads_q, heads_kv, head_dim,
+              torch.empty((), dtype=dtype).element_size())
+    group = workers.get(world_size)
+    # layout and mask decide what is computed, never what is sent: contiguous skips blocks
+    for plan, layout, causal in [("kv_ring", "zigzag", True), ("burst", "striped", True),
+                                 ("kv_ring", "contiguous", True), ("burst", "contiguous", False), ("auto", "zigzag", True)]:
+        resolved = prediction.plan if plan == "auto" else plan
+        want_backward = planner._bytes(planner.BACKWARD_BYTES_PER_CALL[resolved], values)
+        results = group.run(_measure_bytes, (batch, heads_q, heads_kv, local_len, head_dim), dtype, layout, causal, plan)
+        for rank, got in enumerate(results):
+            context = (rank, plan, layout, causal)
+            assert got["plan"] == resolved, context
+            assert got["forward_total"] == prediction.total_bytes["forward"], context
+            assert got["forward_per_step"] == [prediction.predicted_bytes["forward"]] * (world_size - 1) + [0], context
+            assert got["backward_total"] == want_backward, context
+            assert got["backward_total"] / (world_size - 1) == (
+                prediction.predicted_bytes if resolved == prediction.plan else prediction.alternative_bytes
+            )["backward"], context
+            assert len(got["backward_per_step"]) == world_size + 1, context
+        if plan == "auto":
+            assert results[0]["backward_total"] == prediction.total_bytes["backward"]

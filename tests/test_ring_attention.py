@@ -1,0 +1,529 @@
+"""Ring attention (burstc.ops.ring_attention) against single-device SDPA, on gloo worker groups.
+
+Multi-rank tasks run in one persistent WorkerGroup per world size for the whole module (hypothesis
+examples included).  Every task receives a seed and builds the full inputs from it on every rank,
+so all ranks agree; each rank compares its own rows (``burstc.layout.shard``) of the single-device
+reference and returns error numbers, which the parent asserts on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from burstc import layout as layouts
+from burstc.ops import ring_attention as ra
+from burstc.testing import WorkerError, WorkerPool
+
+aten = torch.ops.aten
+
+# Max |ring - reference| allowed, as atol + rtol * max|reference|, per dtype.  The reference is
+# single-device SDPA in fp32 on the same (already rounded) inputs.
+TOLERANCES = {
+    # fp32 everywhere; the ring only reorders the softmax sums (observed ~1e-6).
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    # bf16 (8-bit mantissa, 2**-9 relative rounding): each block output leaves the CPU kernel in
+    # bf16 before the fp32 merge, and out/dq/dk/dv are rounded to bf16 at the end (observed <=1e-2
+    # on outputs of magnitude ~1-3; single-device bf16 SDPA itself shows ~1e-2).
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    # fp16 (11-bit mantissa): same error sources as bf16, 8x finer rounding.
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
+COMPARED = ("out", "lse", "dq", "dk", "dv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    world_size: int
+    batch: int
+    heads_q: int
+    heads_kv: int
+    local_len: int
+    head_dim: int
+    causal: bool
+    layout: str
+    plan: str
+    dtype: torch.dtype
+    seed: int
+    scale: float | None = None
+    lse_grad: bool = False  # also differentiate through the returned lse
+
+
+def _full_inputs(case: Case):
+    generator = torch.Generator().manual_seed(case.seed)
+    seq_len = case.local_len * case.world_size
+    shape_q = (case.batch, case.heads_q, seq_len, case.head_dim)
+    shape_kv = (case.batch, case.heads_kv, seq_len, case.head_dim)
+    q, grad_out = (torch.randn(shape_q, generator=generator).to(case.dtype) for _ in range(2))
+    k, v = (torch.randn(shape_kv, generator=generator).to(case.dtype) for _ in range(2))
+    grad_lse = torch.randn(shape_q[:3], generator=generator)
+    return q, k, v, grad_out, grad_lse
+
+
+def _reference(case: Case, q, k, v, grad_out, grad_lse):
+    """fp32 single-device SDPA (out, grads) and the fp32 natural-log LSE of the scaled scores."""
+    q32, k32, v32 = (t.to(torch.float32).clone().requires_grad_() for t in (q, k, v))
+    scale = case.scale if case.scale is not None else case.head_dim ** -0.5
+    out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=case.causal, scale=scale, enable_gqa=True)
+    groups = case.heads_q // case.heads_kv
+    scores = (q32 @ k32.repeat_interleave(groups, 1).transpose(-1, -2)) * scale
+    if case.causal:
+        seq_len = q.shape[2]
+        scores = scores.masked_fill(~torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    loss = (out * grad_out.float()).sum() + ((lse * grad_lse).sum() if case.lse_grad else 0.0)
+    loss.backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q32.grad, "dk": k32.grad, "dv": v32.grad}
+
+
+def _errors(mine: dict, reference: dict) -> dict:
+    errors = {}
+    for name in mine:
+        got, want = mine[name].to(torch.float32), reference[name]
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        diff = (got - want).abs().max().item() if got.numel() else 0.0
+        errors[name] = {"max_error": diff if math.isfinite(diff) else float("inf"),
+                        "scale": want.abs().max().item() if want.numel() else 0.0,
+                        "finite": bool(torch.isfinite(got).all())}
+    return errors
+
+
+def _run_case(rank, world_size, case: Case, group_or_mesh_kind: str = "default"):
+    """Worker task: ring attention fwd+bwd on this rank's shard vs the fp32 single-device reference."""
+    assert world_size == case.world_size
+    q, k, v, grad_out, grad_lse = _full_inputs(case)
+    reference = _reference(case, q, k, v, grad_out, grad_lse)
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, case.layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    group_or_mesh = None
+    if group_or_mesh_kind == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group_or_mesh = init_device_mesh("cpu", (world_size,))
+    elif group_or_mesh_kind == "group":
+        group_or_mesh = dist.group.WORLD
+    with ra.record_stats() as stats:
+        out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, group_or_mesh=group_or_mesh, causal=case.causal,
+                                              layout=case.layout, plan=case.plan, scale=case.scale)
+        loss = (out.float() * shard(grad_out).float()).sum()
+        if case.lse_grad:
+            loss = loss + (lse * shard(grad_lse)).sum()
+        loss.backward()
+    mine = {"out": out, "lse": lse, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}
+    result = _errors(mine, {name: shard(t) for name, t in reference.items()})
+    result["dtypes"] = {"out": out.dtype, "lse": lse.dtype, "dq": q_l.grad.dtype}
+    result["plans"] = [c.plan for c in stats.of("backward")]
+    return result
+
+
+def _assert_close(case: Case, per_rank_results: list[dict]) -> None:
+    tolerance = TOLERANCES[case.dtype]
+    for rank, result in enumerate(per_rank_results):
+        assert result["dtypes"] == {"out": case.dtype, "lse": torch.float32, "dq": case.dtype}
+        for name in COMPARED:
+            error = result[name]
+            assert error["finite"], f"rank {rank}: {name} has non-finite values ({case})"
+            bound = tolerance["atol"] + tolerance["rtol"] * error["scale"]
+            assert error["max_error"] <= bound, (
+                f"rank {rank}: {name} max error {error['max_error']:.3g} > {bound:.3g} ({case})")
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with WorkerPool(run_timeout_s=300) as pool:
+        yield pool
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-rank correctness
+
+
+@st.composite
+def cases(draw, world_sizes=(1, 2, 3, 4), dtypes=(torch.float32, torch.bfloat16)):
+    layout = draw(st.sampled_from(layouts.LAYOUTS))
+    heads_kv = draw(st.sampled_from([1, 2]))
+    local_len = draw(st.integers(1, 12)) * 2 if layout == "zigzag" else draw(st.integers(1, 24))
+    return Case(
+        world_size=draw(st.sampled_from(world_sizes)),
+        batch=draw(st.sampled_from([1, 2])),
+        heads_q=heads_kv * draw(st.sampled_from([1, 2, 3])),  # MHA, GQA, and MQA when heads_kv == 1
+        heads_kv=heads_kv,
+        local_len=local_len,
+        head_dim=draw(st.sampled_from([8, 16, 20])),
+        causal=draw(st.booleans()),
+        layout=layout,
+        plan=draw(st.sampled_from(ra.PLAN_CHOICES)),
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        scale=draw(st.sampled_from([None, 0.3])),
+    )
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases())
+def test_matches_single_device_sdpa(workers, case):
+    _assert_close(case, workers.get(case.world_size).run(_run_case, case))
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_plan_and_layout_causal_gqa(workers, world_size, layout, plan):
+    case = Case(world_size, 2, 4, 2, 8, 16, True, layout, plan, torch.float32, seed=world_size * 7)
+    _assert_close(case, workers.get(world_size).run(_run_case, case))
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_fp16(workers, plan):
+    case = Case(3, 1, 4, 4, 6, 16, True, "zigzag", plan, torch.float16, seed=11)
+    _assert_close(case, workers.get(3).run(_run_case, case))
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_through_lse(workers, plan, dtype):
+    case = Case(3, 1, 4, 2, 6, 8, True, "striped", plan, dtype, seed=5, lse_grad=True)
+    _assert_close(case, workers.get(3).run(_run_case, case))
+
+
+@pytest.mark.parametrize("kind", ["mesh", "group"])
+def test_group_or_mesh_argument(workers, kind):
+    case = Case(2, 1, 2, 2, 8, 8, True, "zigzag", "burst", torch.float32, seed=3)
+    _assert_close(case, workers.get(2).run(_run_case, case, kind))
+
+
+def test_auto_plan_picks_burst_for_mha_and_kv_ring_for_gqa(workers):
+    mha = Case(2, 1, 4, 4, 8, 16, True, "zigzag", "auto", torch.float32, seed=1)
+    gqa = dataclasses.replace(mha, heads_kv=1)
+    assert {p for r in workers.get(2).run(_run_case, mha) for p in r["plans"]} == {"burst"}
+    assert {p for r in workers.get(2).run(_run_case, gqa) for p in r["plans"]} == {"kv_ring"}
+
+
+def _run_on_submesh(rank, world_size, case: Case):
+    """2 x 2 mesh; the ring runs over the 'dp' dimension, whose groups are {0, 2} and {1, 3}, so
+    group ranks differ from global ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    ring_mesh = mesh["dp"]
+    ring_rank = ring_mesh.get_local_rank()
+    q, k, v, grad_out, grad_lse = _full_inputs(case)
+    reference = _reference(case, q, k, v, grad_out, grad_lse)
+    shard = lambda t: layouts.shard(t, 2, 2, ring_rank, case.layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, group_or_mesh=ring_mesh, causal=True, layout=case.layout,
+                                          plan=case.plan)
+    out.backward(shard(grad_out))
+    mine = {"out": out, "lse": lse, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}
+    result = _errors(mine, {name: shard(t) for name, t in reference.items()})
+    result["dtypes"] = {"out": out.dtype, "lse": lse.dtype, "dq": q_l.grad.dtype}
+    return result
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_ring_over_submesh_dimension(workers, plan):
+    case = Case(2, 1, 2, 1, 6, 8, True, "striped", plan, torch.float32, seed=9)
+    _assert_close(case, workers.get(4).run(_run_on_submesh, case))
+
+
+def _run_case_with_reference_kernels(rank, world_size, case: Case):
+    with ra.reference_block_kernels():
+        return _run_case(rank, world_size, case)
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_reference_block_kernels_in_the_ring(workers, plan):
+    """The plain-torch block kernels (the non-CPU path) give the same ring results."""
+    for layout in layouts.LAYOUTS:
+        case = Case(3, 1, 4, 2, 6, 8, True, layout, plan, torch.float32, seed=21)
+        _assert_close(case, workers.get(3).run(_run_case_with_reference_kernels, case))
+
+
+# ---------------------------------------------------------------------------------------------
+# Work balance and the counters
+
+
+def _work_and_bytes(rank, world_size, case: Case):
+    q, k, v, grad_out, _ = _full_inputs(case)
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, case.layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    with ra.record_stats() as stats:
+        out = ra.ring_attention(q_l, k_l, v_l, causal=case.causal, layout=case.layout, plan=case.plan)
+        out.backward(shard(grad_out))
+    return [dataclasses.asdict(c) for c in stats.calls]
+
+
+def _per_step_work(per_rank_calls, op):
+    """work[rank][step] of the single call ``op``."""
+    return [[c for c in calls if c["op"] == op][0]["work_per_step"] for calls in per_rank_calls]
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_zigzag_work_is_exactly_balanced(workers, world_size, plan):
+    case = Case(world_size, 1, 2, 2, 8, 8, True, "zigzag", plan, torch.float32, seed=0)
+    calls = workers.get(world_size).run(_work_and_bytes, case)
+    s = case.local_len
+    for op in ("forward", "backward"):
+        work = _per_step_work(calls, op)
+        for step in range(world_size):
+            column = [work[rank][step] for rank in range(world_size)]
+            assert max(column) / (sum(column) / world_size) == 1.0, (op, step, column)
+            expected = s * (s + 1) // 2 if step == 0 else s * s // 2  # diagonal block, then s^2/2
+            assert column[0] == case.batch * case.heads_q * expected
+        assert len({sum(w) for w in work}) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_striped_work_balanced_within_one_row(workers, world_size):
+    case = Case(world_size, 1, 2, 2, 8, 8, True, "striped", "kv_ring", torch.float32, seed=0)
+    work = _per_step_work(workers.get(world_size).run(_work_and_bytes, case), "forward")
+    one_row = case.batch * case.heads_q * case.local_len
+    for step in range(world_size):
+        column = [work[rank][step] for rank in range(world_size)]
+        assert max(column) - min(column) <= one_row, (step, column)
+    totals = [sum(w) for w in work]
+    assert max(totals) - min(totals) <= (world_size - 1) * one_row
+
+
+def test_contiguous_causal_work_is_unbalanced(workers):
+    """The counter sees the imbalance the balanced layouts remove (and can fail the tests above)."""
+    case = Case(4, 1, 2, 2, 8, 8, True, "contiguous", "kv_ring", torch.float32, seed=0)
+    work = _per_step_work(workers.get(4).run(_work_and_bytes, case), "forward")
+    totals = [sum(w) for w in work]
+    assert totals == sorted(totals) and totals[-1] > 3 * totals[0]
+    assert [work[0][step] for step in range(1, 4)] == [0, 0, 0]  # rank 0 skips every remote block
+
+
+def test_forward_bytes_per_step_are_exactly_kv(workers):
+    case = Case(3, 2, 4, 2, 6, 8, True, "zigzag", "burst", torch.bfloat16, seed=0)
+    for calls in workers.get(3).run(_work_and_bytes, case):
+        forward = [c for c in calls if c["op"] == "forward"][0]
+        kv_bytes = 2 * case.batch * case.heads_kv * case.local_len * case.head_dim * 2  # k and v, bf16
+        assert forward["bytes_sent_per_step"] == [kv_bytes, kv_bytes, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def _compiled_matches_eager(rank, world_size, case: Case, backend: str):
+    import torch._dynamo
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    q, k, v, grad_out, _ = _full_inputs(case)
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, case.layout)  # noqa: E731
+
+    def attention(q_, k_, v_):
+        out, lse = ra.ring_attention_with_lse(torch.sin(q_), k_ * 2, v_, group_or_mesh=mesh, causal=case.causal,
+                                              layout=case.layout, plan=case.plan)
+        return out.float().square().sum() + lse.sum()
+
+    results = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        fn = attention if mode == "eager" else torch.compile(attention, backend=backend, fullgraph=True)
+        q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+        with ra.record_stats() as stats:
+            loss = fn(q_l, k_l, v_l)
+            loss.backward()
+        results[mode] = (loss.detach(), q_l.grad, k_l.grad, v_l.grad, [c.op for c in stats.calls])
+    eager, compiled = results["eager"], results["compiled"]
+    return {"ops": compiled[4],
+            # relative to the magnitude: inductor fuses sin/square/sum in a different order
+            "max_diff": max(((a.float() - b.float()).abs().max() / (1 + a.float().abs().max())).item()
+                            for a, b in zip(eager[:4], compiled[:4]))}
+
+
+@pytest.mark.parametrize("backend,plan,layout", [
+    ("aot_eager", "burst", "zigzag"),
+    ("aot_eager", "kv_ring", "striped"),
+    ("inductor", "auto", "zigzag"),
+    ("inductor", "kv_ring", "contiguous"),
+])
+def test_torch_compile_fullgraph(workers, backend, plan, layout):
+    case = Case(2, 1, 4, 2, 8, 16, True, layout, plan, torch.float32, seed=2)
+    for result in workers.get(2).run(_compiled_matches_eager, case, backend):
+        assert result["ops"] == ["forward", "backward"]  # the custom ops ran inside the compiled graph
+        assert result["max_diff"] <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Local pieces: block selection, merge, kernels (no process group needed)
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_spec_covers_exactly_the_mask(layout, world_size, causal):
+    """For every (query rank, kv rank) pair, the computed sub-block's mask equals the global mask."""
+    for local_len in (2, 4, 6) if layout == "zigzag" else (1, 2, 5):
+        seq_len = local_len * world_size
+        positions = [layouts.local_positions(seq_len, world_size, r, layout) for r in range(world_size)]
+        for q_owner in range(world_size):
+            for kv_owner in range(world_size):
+                wanted = positions[kv_owner][None, :] <= positions[q_owner][:, None]
+                if not causal:
+                    wanted = torch.ones_like(wanted)
+                covered = torch.zeros_like(wanted)
+                spec = ra.block_spec(layout, causal, q_owner, kv_owner, local_len)
+                if spec is not None:
+                    rows, cols = spec.q_stop - spec.q_start, spec.kv_stop - spec.kv_start
+                    sub = torch.ones(rows, cols, dtype=torch.bool)
+                    if spec.causal:
+                        sub = sub.tril()
+                    covered[spec.q_rows, spec.kv_rows] = sub
+                    assert spec.score_entries == int(sub.sum())
+                assert torch.equal(covered, wanted), (layout, world_size, local_len, q_owner, kv_owner, spec)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_merge_of_key_blocks_equals_full_attention(causal):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8, generator=generator, dtype=torch.float64) for _ in range(3))
+    scale = 0.35
+    out_full, lse_full = ra._reference_block_forward(q, k, v, causal, scale)
+    # keys in three blocks; block 1 and 2 only matter where the causal mask lets rows see them
+    bounds = [(0, 3), (3, 7), (7, 10)]
+    out_acc, lse_acc = None, None
+    for start, stop in bounds:
+        scores = (q @ k[:, :, start:stop].transpose(-1, -2)) * scale
+        if causal:
+            keep = torch.arange(start, stop)[None, :] <= torch.arange(10)[:, None]
+            scores = scores.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(scores, -1)  # -inf on rows that see nothing of this block
+        out = torch.nan_to_num(torch.softmax(scores, -1)) @ v[:, :, start:stop]
+        if out_acc is None:
+            out_acc, lse_acc = out.clone(), lse.clone()
+        else:
+            ra.merge_attention_block_(out_acc, lse_acc, out, lse)
+    assert torch.isfinite(out_acc).all() and torch.isfinite(lse_acc).all()
+    torch.testing.assert_close(out_acc, out_full, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse_acc, lse_full, atol=1e-12, rtol=1e-12)
+
+
+def test_merge_is_stable_for_large_lse_gaps():
+    out_acc = torch.ones(1, 1, 2, 4)
+    lse_acc = torch.tensor([[[1000.0, -1000.0]]])
+    ra.merge_attention_block_(out_acc, lse_acc, torch.full((1, 1, 2, 4), 3.0), torch.tensor([[[-1000.0, 1000.0]]]))
+    torch.testing.assert_close(out_acc, torch.tensor([1.0, 3.0]).view(1, 1, 2, 1).expand(1, 1, 2, 4))
+    torch.testing.assert_close(lse_acc, torch.tensor([[[1000.0, 1000.0]]]))
+
+
+def _local_inputs(dtype, heads_q=4, heads_kv=2, q_len=10, kv_len=10, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads_q, q_len, 8, generator=generator).to(dtype)
+    k, v = (torch.randn(2, heads_kv, kv_len, 8, generator=generator).to(dtype) for _ in range(2))
+    grad_out = torch.randn(2, heads_q, q_len, 8, generator=generator).to(dtype)
+    return q, k, v, grad_out
+
+
+def test_cpu_flash_lse_layout_and_convention():
+    q, k, v, _ = _local_inputs(torch.float32)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.3)
+    assert lse.stride() == (10 * 4, 1, 4)  # [B, H, S] view of a [B, S, H] buffer
+    converted = ra._lse_to_BHS(lse)
+    assert converted.is_contiguous() and converted.dtype == torch.float32
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+    scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(converted, torch.logsumexp(scores, -1))  # natural log, scaled scores
+
+
+def test_cpu_flash_backward_uses_out_only_through_rowsum():
+    """What makes the stand-in output valid: moving ``out`` orthogonally to ``grad_out`` (so that
+    rowsum(out * grad_out) is unchanged) leaves every gradient unchanged (fp64: exact to 1e-13)."""
+    q, k, v, grad_out = _local_inputs(torch.float64)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    noise = torch.randn_like(out)
+    noise -= (noise * grad_out).sum(-1, keepdim=True) / (grad_out * grad_out).sum(-1, keepdim=True) * grad_out
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, True)
+    moved = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out + 5 * noise, lse, 0.0, True)
+    for a, b in zip(grads, moved):
+        torch.testing.assert_close(a, b, atol=1e-13, rtol=0)
+    # and the kernel does read out: changing rowsum(out * grad_out) changes dq
+    shifted = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out + grad_out, lse, 0.0, True)
+    assert (shifted[0] - grads[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stand_in_output_reproduces_delta_and_gradients(dtype):
+    q, k, v, grad_out = _local_inputs(dtype)
+    grad_out[:, :, 3] = 0  # a zero row: the stand-in is 0 there
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    delta = ra.attention_delta(out, grad_out)
+    stand_in = ra.stand_in_output(grad_out, delta)
+    assert stand_in.dtype == dtype and torch.all(stand_in[:, :, 3] == 0)
+    rebuilt = ra.attention_delta(stand_in, grad_out)
+    if dtype == torch.float32:
+        torch.testing.assert_close(rebuilt, delta, atol=1e-6, rtol=1e-6)  # exact up to fp32 rounding
+    else:
+        torch.testing.assert_close(rebuilt, delta, atol=2e-2, rtol=1e-2)  # stand-in rounded to bf16
+    real = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, True)
+    fake = ra.block_attention_backward(grad_out, q, k, v, ra._lse_to_BHS(lse), delta, None, True, 1 / math.sqrt(8))
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    for a, b in zip(real, fake):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("causal,q_len,kv_len", [(True, 10, 10), (False, 6, 10), (True, 5, 10), (True, 9, 4)])
+@pytest.mark.parametrize("heads_kv", [1, 2, 4])
+def test_reference_kernels_match_cpu_flash(causal, q_len, kv_len, heads_kv):
+    q, k, v, grad_out = _local_inputs(torch.float32, heads_kv=heads_kv, q_len=q_len, kv_len=kv_len)
+    out_flash, lse_flash = ra.block_attention_forward(q, k, v, causal, 0.4)
+    with ra.reference_block_kernels():
+        out_ref, lse_ref = ra.block_attention_forward(q, k, v, causal, 0.4)
+        grads_ref = ra.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, causal, 0.4)
+    torch.testing.assert_close(out_ref, out_flash, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_ref, lse_flash, atol=1e-5, rtol=1e-5)
+    grads_flash = ra.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, causal, 0.4)
+    for a, b in zip(grads_ref, grads_flash):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Clear errors
+
+
+def _qkv(heads_q=4, heads_kv=2, local_len=4, dtype=torch.float32):
+    return torch.randn(1, heads_q, local_len, 8, dtype=dtype), *(torch.randn(1, heads_kv, local_len, 8, dtype=dtype) for _ in range(2))
+
+
+def test_error_when_process_group_not_initialized():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+        ra.ring_attention(*_qkv())
+
+
+@pytest.mark.parametrize("make_inputs,kwargs,error,match", [
+    (lambda: _qkv(heads_q=3, heads_kv=2), {}, ValueError, "multiple of the number of kv heads"),
+    (lambda: _qkv(local_len=5), {"layout": "zigzag"}, ValueError, "S_local must be even"),
+    (lambda: _qkv(), {"layout": "diagonal"}, ValueError, "layout must be one of"),
+    (lambda: _qkv(), {"plan": "fastest"}, ValueError, "plan must be one of"),
+    (lambda: (torch.randn(1, 4, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)), {}, ValueError, "must agree"),
+    (lambda: (torch.randn(1, 4, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)), {}, ValueError, "same shape"),
+    (lambda: (torch.randn(4, 4, 8),) * 3, {}, ValueError, r"\[B, H, S_local, D\]"),
+    (lambda: _qkv(dtype=torch.float64), {}, TypeError, "dtype"),
+])
+def test_bad_inputs_raise_clear_errors(make_inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ra.ring_attention(*make_inputs(), **kwargs)
+
+
+def _two_dim_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ra.ring_attention(*_qkv(), group_or_mesh=init_device_mesh("cpu", (1, world_size)))
+
+
+def test_two_dimensional_mesh_is_rejected(workers):
+    with pytest.raises(WorkerError, match="1-D DeviceMesh"):
+        workers.get(2).run(_two_dim_mesh)
