@@ -106,8 +106,14 @@ def _worker_main(
         result_queue.put(("start", rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
         return
     result_queue.put(("start", rank, True, None))
+    parent = os.getppid()
     while True:
-        message = task_queue.get()
+        try:
+            message = task_queue.get(timeout=_POLL_S * 10)
+        except queue.Empty:
+            if os.getppid() != parent:  # the parent died without shutting us down
+                break
+            continue
         if message is None:
             break
         task_id, fn, args, kwargs = message

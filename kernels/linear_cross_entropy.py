@@ -9,9 +9,10 @@ Semantics (what the chunked kernel reproduces, i.e. eager ``F.cross_entropy(F.li
 - optional softcap ``z = c * tanh(x / c)`` in fp32;
 - per-token loss ``lse(z) - (1 - eps) * z_t - eps * mean_v(z_v)`` (label smoothing as in F.cross_entropy), 0 at
   ignored tokens;
-- gradient w.r.t. the logits ``(softmax(z) - (1 - eps) * onehot(t) - eps / V) * dloss * (1 - (z / c)^2)``, rounded
-  to the input dtype before the two gradient matmuls (as eager autograd does); the weight gradient is summed over
-  chunks in an fp32 accumulator and rounded to the weight dtype once at the end.
+- gradient w.r.t. the logits ``(softmax(z) - (1 - eps) * onehot(t) - eps / V) * dloss * (1 - (z / c)^2)`` in fp32;
+  rounded to the input dtype for the hidden-gradient matmul (as eager autograd does: exact per chunk, since a
+  token's row never spans chunks); the weight gradient is an fp32 GEMM of the fp32 dlogits accumulated over chunks
+  in an fp32 accumulator and rounded to the weight dtype once at the end (no bf16 accumulation across chunks).
 
 The chunked kernel never holds more than one chunk of logits: extra memory is O(C * V) plus the gradients.
 """
@@ -28,14 +29,12 @@ __all__ = [
     "TRANSIENT_BUDGET_BYTES",
 ]
 
-# Transient budget for one chunk's [C, V] buffers. 32 MiB keeps C >= 64 up to V = 128k in bf16 (bf16 matmuls on
-# this CPU reach full speed from C ~ 128 at H = 256; at H >= 1024 C = 64 is enough) while staying ~1/40 of the
-# eager logits at the benchmark shapes. Tuned with benchmarks/fused_loss.py.
-TRANSIENT_BUDGET_BYTES = 32 * 2**20
+# Transient budget for one chunk's [C, V] buffers: 24 MiB gives C = 128 at V = 32768 in bf16 (6 bytes per logit),
+# where the bf16 matmuls on this CPU reach full speed (H = 256), and keeps the chunk well under the V x H fp32
+# weight-gradient accumulator at the benchmark shapes. Tuned with benchmarks/fused_loss.py.
+TRANSIENT_BUDGET_BYTES = 24 * 2**20
 # Rows per chunk are a multiple of this (matmul blocking), unless the whole input is smaller.
 _CHUNK_ROW_MULTIPLE = 16
-# Vocabulary rows per low-precision weight-gradient partial product (see _accumulate_weight_grad).
-_WEIGHT_GRAD_PARTIAL_BYTES = 8 * 2**20
 
 
 def linear_cross_entropy_reference(
@@ -86,48 +85,26 @@ def default_chunk_size(
     """Tokens per chunk so that one chunk's transient buffers stay within TRANSIENT_BUDGET_BYTES.
 
     Memory arithmetic per token row of a chunk (V = vocab, e = bytes of the input dtype):
-      logits in the input dtype (matmul output)          V * e   (shared with the fp32 buffer when e == 4)
-      fp32 work buffer: logits -> exp -> dlogits          V * 4
-      dlogits rounded to the input dtype (matmul input)  V * e   (none when e == 4)
-      tanh(x / c) kept for the softcap derivative         V * 4   (softcap only)
-    so C = budget / row_bytes, e.g. bf16, V = 32768: 8 B * 32768 = 256 KiB/row -> C = 128 (32 MiB);
-    V = 65536 -> C = 64. The extra memory of the whole op is then
-      C * row_bytes  +  V * H * 4 (fp32 weight-grad accumulator)  +  V * H * e (weight grad)  +  N * H * e,
-    against N * V * (e + 4 + 4 + ...) bytes for eager logits/softmax/grad.
+      fp32 work buffer: logits -> exp -> dlogits                          V * 4
+      input-dtype buffer: logits out of the matmul, later dlogits into   V * e   (none when e == 4: the matmul
+        the hidden-gradient matmul (never live at the same time)                   writes the fp32 buffer)
+      tanh(x / c) kept for the softcap derivative                         V * 4   (softcap only)
+    so C = budget / row_bytes, e.g. bf16, V = 32768: 6 B * 32768 = 192 KiB/row -> C = 128 (24 MiB);
+    V = 65536 -> C = 64; fp32, V = 32768 -> C = 192. The extra memory of the whole op is then
+      C * row_bytes + V * H * 4 (fp32 weight-grad accumulator) + V * H * e (the weight gradient, cast at the
+      end while the accumulator is alive) + N * H * e (the hidden gradient),
+    against N * V * (2e + 12) bytes for eager (logits, fp32 upcast, log-softmax, fp32 and input-dtype grads).
     ``hidden`` does not change the transient size; it only sets a floor of 16 rows, below which the [C, H] x [H, V]
     matmuls lose efficiency. ``num_tokens`` (when known) caps the chunk.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    row_bytes = vocab * (4 + (2 * elem if elem != 4 else 0) + (4 if softcap else 0))
+    row_bytes = vocab * (4 + (elem if elem != 4 else 0) + (4 if softcap else 0))
     rows = max(_CHUNK_ROW_MULTIPLE, TRANSIENT_BUDGET_BYTES // max(row_bytes, 1))
     rows -= rows % _CHUNK_ROW_MULTIPLE
     if isinstance(num_tokens, int) and num_tokens > 0:
         rows = min(rows, num_tokens)
     del hidden
     return int(rows)
-
-
-def _accumulate_weight_grad(
-    grad_weight_acc_VH: Tensor, dlogits_lowp_CV: Tensor, hidden_CH: Tensor, partial_buf: Tensor | None
-) -> None:
-    """grad_weight_acc_VH (fp32) += dlogits_CV^T @ hidden_CH.
-
-    fp32 inputs: one addmm_ (fp32 accumulation throughout). Low-precision inputs: CPU has no bf16 x bf16 -> fp32
-    matmul (aten::mm.dtype is CUDA-only) and an fp32 matmul is ~4x slower, so the chunk's partial product is
-    computed by the bf16 matmul (fp32 accumulation over the C tokens inside the GEMM, one rounding of the partial)
-    and added into the fp32 accumulator: chunks never accumulate in bf16, which is what makes naive chunking drift.
-    The partial is produced vocabulary slice by vocabulary slice so its buffer stays small.
-    """
-    if partial_buf is None:
-        grad_weight_acc_VH.addmm_(dlogits_lowp_CV.t(), hidden_CH)
-        return
-    vocab = dlogits_lowp_CV.shape[1]
-    slice_rows = partial_buf.shape[0]
-    for v0 in range(0, vocab, slice_rows):
-        v1 = min(v0 + slice_rows, vocab)
-        partial_SH = partial_buf[: v1 - v0]
-        torch.mm(dlogits_lowp_CV[:, v0:v1].t(), hidden_CH, out=partial_SH)
-        grad_weight_acc_VH[v0:v1].add_(partial_SH)
 
 
 def chunked_linear_cross_entropy(
@@ -165,30 +142,49 @@ def chunked_linear_cross_entropy(
     need_grad_bias &= with_grads and bias_V is not None
     if chunk_size is None:
         chunk_size = default_chunk_size(num_tokens, vocab, hidden_size, dtype, softcap=softcap is not None)
-    chunk = max(1, min(int(chunk_size), num_tokens))
     hidden_NH = hidden_NH.contiguous()
-    weight_t_HV = weight_VH.t()
 
     loss_out_N = torch.zeros(num_tokens, dtype=work_dtype, device=device)
     lse_out_N = torch.empty(num_tokens, dtype=work_dtype, device=device) if lse_N is None else lse_N
     grad_hidden_NH = torch.empty_like(hidden_NH) if need_grad_hidden else None
     grad_weight_acc_VH = torch.zeros(vocab, hidden_size, dtype=work_dtype, device=device) if need_grad_weight else None
     grad_bias_acc_V = torch.zeros(vocab, dtype=work_dtype, device=device) if need_grad_bias else None
-    if num_tokens == 0:
-        return _finish(loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V)
+    if num_tokens > 0:  # the chunk buffers live in _chunk_loop's frame: freed before the casts in _finish
+        _chunk_loop(
+            hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, lse_N,
+            loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
+            ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap,
+            chunk=max(1, min(int(chunk_size), num_tokens)),
+        )
+    return _finish(loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V)
+
+
+def _chunk_loop(
+    hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, lse_N,
+    loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
+    *, ignore_index, smoothing, softcap, chunk,
+):
+    """The chunk loop of chunked_linear_cross_entropy; writes into the *_out / grad_* tensors in place."""
+    num_tokens, hidden_size = hidden_NH.shape
+    vocab = weight_VH.shape[0]
+    dtype, device = hidden_NH.dtype, hidden_NH.device
+    work_dtype = loss_out_N.dtype
+    low_precision = dtype != work_dtype
+    with_grads = token_grad_scale_N is not None
+    weight_t_HV = weight_VH.t()
 
     # Per-chunk buffers, allocated once and reused: fresh [C, V] allocations are page-faulted on every chunk
     # (measured ~10x slower than writing into a warm buffer).
     work_CV = torch.empty(chunk, vocab, dtype=work_dtype, device=device)
-    logits_lowp_CV = torch.empty(chunk, vocab, dtype=dtype, device=device) if low_precision else None
-    dlogits_lowp_CV = torch.empty(chunk, vocab, dtype=dtype, device=device) if low_precision and with_grads else None
+    # one input-dtype buffer serves both the logits matmul output and the hidden-gradient matmul input (dlogits):
+    # the logits are consumed by the upcast before the dlogits are written
+    lowp_CV = torch.empty(chunk, vocab, dtype=dtype, device=device) if low_precision else None
     tanh_CV = torch.empty(chunk, vocab, dtype=work_dtype, device=device) if softcap is not None else None
-    partial_buf = None
-    if need_grad_weight and low_precision:
-        elem = hidden_NH.element_size()
-        slice_rows = max(1, min(vocab, _WEIGHT_GRAD_PARTIAL_BYTES // (hidden_size * elem)))
-        partial_buf = torch.empty(slice_rows, hidden_size, dtype=dtype, device=device)
-    smoothing = float(label_smoothing)
+    # fp32 copy of the chunk's hidden rows for the fp32 weight-gradient matmul (C x H, small)
+    hidden_work_CH = (
+        torch.empty(chunk, hidden_size, dtype=work_dtype, device=device)
+        if grad_weight_acc_VH is not None and low_precision else None
+    )
 
     for start in range(0, num_tokens, chunk):
         stop = min(start + chunk, num_tokens)
@@ -200,7 +196,7 @@ def chunked_linear_cross_entropy(
         work = work_CV[:rows]
 
         # logits in the input dtype (bias fused into the GEMM like F.linear), then upcast into the fp32 buffer
-        logits = logits_lowp_CV[:rows] if low_precision else work
+        logits = lowp_CV[:rows] if low_precision else work
         if bias_V is None:
             torch.mm(hidden_CH, weight_t_HV, out=logits)
         else:
@@ -225,7 +221,6 @@ def chunked_linear_cross_entropy(
             if smoothing:
                 loss_C = loss_C + smoothing * (max_C - mean_logit_C)
             loss_out_N[start:stop] = torch.where(valid_C, loss_C, 0.0)
-            prob_scale_C = None
         else:
             work.sub_(lse_N[start:stop].unsqueeze(1)).exp_()  # softmax directly
             sumexp_C = None
@@ -243,20 +238,24 @@ def chunked_linear_cross_entropy(
             # d(c tanh(x / c)) / dx = 1 - tanh^2
             tanh.mul_(tanh)
             torch.addcmul(work, work, tanh, value=-1.0, out=work)
-        dlogits = work
-        if low_precision:
-            dlogits = dlogits_lowp_CV[:rows]
-            dlogits.copy_(work)  # eager autograd rounds dlogits to the input dtype before the matmuls too
-        if need_grad_hidden:
+        if grad_hidden_NH is not None:
+            dlogits = work
+            if low_precision:
+                dlogits = lowp_CV[:rows]
+                dlogits.copy_(work)  # eager autograd rounds dlogits to the input dtype before this matmul too
             torch.mm(dlogits, weight_VH, out=grad_hidden_NH[start:stop])
-        if need_grad_weight:
-            _accumulate_weight_grad(grad_weight_acc_VH, dlogits, hidden_CH, partial_buf)
-        if need_grad_bias:
+        if grad_weight_acc_VH is not None:
+            # fp32 GEMM on the fp32 dlogits straight into the fp32 accumulator: no per-chunk rounding at all, one
+            # rounding to the weight dtype at the end. CPU has no bf16 x bf16 -> fp32 GEMM (aten::mm.dtype is
+            # CUDA-only); a bf16 GEMM per chunk plus an fp32 add measured no faster at C = 128 (the mixed-dtype
+            # add of V x H per chunk is memory-bound) and rounds every chunk's partial product.
+            hidden_work = hidden_CH
+            if hidden_work_CH is not None:
+                hidden_work = hidden_work_CH[:rows]
+                hidden_work.copy_(hidden_CH)
+            grad_weight_acc_VH.addmm_(work.t(), hidden_work)
+        if grad_bias_acc_V is not None:
             grad_bias_acc_V.add_(work.sum(dim=0))
-
-    # drop the chunk buffers before the final casts allocate the low-precision gradients
-    del work_CV, logits_lowp_CV, dlogits_lowp_CV, tanh_CV, partial_buf, work, logits, dlogits
-    return _finish(loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V)
 
 
 def _finish(loss_N, lse_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V):

@@ -246,6 +246,8 @@ def _check_launchable(tensor: Tensor) -> bool:
     """Raise a clear error when the kernels cannot run on ``tensor``; True when they run in the interpreter."""
     if triton is None:
         raise RuntimeError("burstc linear_cross_entropy impl='triton' needs the triton package")
+    if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"burstc linear_cross_entropy impl='triton' supports fp32/bf16/fp16, got {tensor.dtype}")
     if tensor.device.type == "cpu" and not _DECORATED_FOR_INTERPRETER:
         raise RuntimeError(
             "burstc linear_cross_entropy impl='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "

@@ -41,8 +41,9 @@ TOLERANCES = {
     # ranges up to ~30 here), hence 64 u per term.
     torch.float32: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=1e-5, grad_term_atol=64 * FP32_UNIT_ROUNDOFF),
     # bf16 loss: fp32 softmax on the *same* bf16 logits, so fp32-exact like fp32. bf16 grads: dlogits are rounded
-    # to bf16 before the matmuls (as eager autograd does: u per term), weight-grad chunk partials once more (u per
-    # term), the result and the oracle's result once each (2u relative): 3u per term + 4u relative for margin.
+    # to bf16 before the hidden-gradient matmul (as eager autograd does: u per term; the weight gradient keeps
+    # fp32 dlogits), the result and the oracle's result once each (2u relative): 3u per term and 4u relative
+    # leave a margin of ~3 on the worst entries seen.
     torch.bfloat16: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=4 * BF16_UNIT_ROUNDOFF,
                               grad_term_atol=3 * BF16_UNIT_ROUNDOFF),
 }
@@ -421,14 +422,15 @@ def test_bf16_weight_grad_accumulates_in_fp32_across_many_chunks():
     (grad_weight,) = torch.autograd.grad(loss, (weight,))
     assert grad_weight.dtype == torch.bfloat16
 
-    # bf16 single-rounding tolerance: unit roundoff u = 2^-8, relative, plus u * max for cancelling entries
+    # bf16 single-rounding tolerance: |error| <= u |exact| with unit roundoff u = 2^-8, plus fp32-level slack
+    # (fp32 softmax, fp32 GEMM) for entries that cancel to ~0
     unit_roundoff = 2.0**-8
     scale = float(expected.abs().max())
-    assert_close_nan_aware(grad_weight, expected, rtol=unit_roundoff, atol=unit_roundoff * scale,
-                           what="chunked bf16 weight grad")
+    fp32_slack = 1e-5 * scale
+    assert_close_nan_aware(grad_weight, expected, rtol=unit_roundoff, atol=fp32_slack, what="chunked bf16 weight grad")
     error = (grad_weight.double() - expected).norm() / expected.norm()
     single_rounding_error = (expected.bfloat16().double() - expected).norm() / expected.norm()
-    assert error < 2.0 * single_rounding_error, (float(error), float(single_rounding_error))
+    assert error < 1.01 * single_rounding_error, (float(error), float(single_rounding_error))
 
     # the same chunk loop with a bf16 accumulator (the pitfall) fails the same bound: the test can fail
     grad_logits_scale = torch.full((num_tokens,), 1.0 / num_tokens)
@@ -442,7 +444,12 @@ def test_bf16_weight_grad_accumulates_in_fp32_across_many_chunks():
     naive_error = (naive.double() - expected).norm() / expected.norm()
     assert naive_error > 2.0 * single_rounding_error, (float(naive_error), float(single_rounding_error))
     with pytest.raises(AssertionError):
-        assert_close_nan_aware(naive, expected, rtol=unit_roundoff, atol=unit_roundoff * scale, what="naive")
+        assert_close_nan_aware(naive, expected, rtol=unit_roundoff, atol=fp32_slack, what="naive")
+    # eager bf16 (dlogits rounded to bf16 before one GEMM over all tokens) sits in between
+    eager_loss = F.cross_entropy(F.linear(hidden, weight).float(), target)
+    (eager_grad_weight,) = torch.autograd.grad(eager_loss, (weight,))
+    eager_error = (eager_grad_weight.double() - expected).norm() / expected.norm()
+    assert error <= eager_error < naive_error, (float(error), float(eager_error), float(naive_error))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -500,7 +507,7 @@ def test_cpu_path_never_allocates_tokens_by_vocab(reduction, dtype):
 
 
 def _count_matmuls(ops):
-    return sum(op in ("mm", "addmm") for op in ops)
+    return sum(op in ("mm", "addmm", "addmm_") for op in ops)
 
 
 def test_training_path_does_three_matmuls_per_chunk_and_inference_one():
@@ -524,10 +531,10 @@ def test_training_path_does_three_matmuls_per_chunk_and_inference_one():
 
 
 def test_default_chunk_size_memory_budget():
-    # bf16, V = 32768: 8 bytes per vocab entry per row -> 128 rows in 32 MiB; capped by the token count
+    # bf16, V = 32768: 6 bytes per vocab entry per row -> 128 rows in 24 MiB; capped by the token count
     assert default_chunk_size(None, 32768, 256, torch.bfloat16) == 128
     assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 64
     assert default_chunk_size(100, 32768, 256, torch.bfloat16) == 100
-    assert default_chunk_size(None, 32768, 256, torch.float32) == 256
-    assert default_chunk_size(None, 32768, 256, torch.float32, softcap=True) == 128
+    assert default_chunk_size(None, 32768, 256, torch.float32) == 192
+    assert default_chunk_size(None, 32768, 256, torch.float32, softcap=True) == 96
     assert default_chunk_size(None, 10**7, 256, torch.float32) == 16  # floor for matmul efficiency

@@ -165,12 +165,14 @@ def cases(draw, world_sizes=(1, 2, 3, 4), dtypes=(torch.float32, torch.bfloat16)
     )
 
 
+@pytest.mark.multirank
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_matches_single_device_sdpa(workers, case):
     _assert_close(case, workers.get(case.world_size).run(_run_case, case))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -179,12 +181,14 @@ def test_every_plan_and_layout_causal_gqa(workers, world_size, layout, plan):
     _assert_close(case, workers.get(world_size).run(_run_case, case))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 def test_fp16(workers, plan):
     case = Case(3, 1, 4, 4, 6, 16, True, "zigzag", plan, torch.float16, seed=11)
     _assert_close(case, workers.get(3).run(_run_case, case))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradient_through_lse(workers, plan, dtype):
@@ -192,12 +196,14 @@ def test_gradient_through_lse(workers, plan, dtype):
     _assert_close(case, workers.get(3).run(_run_case, case))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["mesh", "group"])
 def test_group_or_mesh_argument(workers, kind):
     case = Case(2, 1, 2, 2, 8, 8, True, "zigzag", "burst", torch.float32, seed=3)
     _assert_close(case, workers.get(2).run(_run_case, case, kind))
 
 
+@pytest.mark.multirank
 def test_auto_plan_picks_burst_for_mha_and_kv_ring_for_gqa(workers):
     mha = Case(2, 1, 4, 4, 8, 16, True, "zigzag", "auto", torch.float32, seed=1)
     gqa = dataclasses.replace(mha, heads_kv=1)
@@ -226,6 +232,7 @@ def _run_on_submesh(rank, world_size, case: Case):
     return result
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 def test_ring_over_submesh_dimension(workers, plan):
     case = Case(2, 1, 2, 1, 6, 8, True, "striped", plan, torch.float32, seed=9)
@@ -237,6 +244,7 @@ def _run_case_with_reference_kernels(rank, world_size, case: Case):
         return _run_case(rank, world_size, case)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 def test_reference_block_kernels_in_the_ring(workers, plan):
     """The plain-torch block kernels (the non-CPU path) give the same ring results."""
@@ -264,6 +272,7 @@ def _per_step_work(per_rank_calls, op):
     return [[c for c in calls if c["op"] == op][0]["work_per_step"] for calls in per_rank_calls]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("plan", ra.PLANS)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_zigzag_work_is_exactly_balanced(workers, world_size, plan):
@@ -280,6 +289,7 @@ def test_zigzag_work_is_exactly_balanced(workers, world_size, plan):
         assert len({sum(w) for w in work}) == 1
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_striped_work_balanced_within_one_row(workers, world_size):
     case = Case(world_size, 1, 2, 2, 8, 8, True, "striped", "kv_ring", torch.float32, seed=0)
@@ -292,6 +302,7 @@ def test_striped_work_balanced_within_one_row(workers, world_size):
     assert max(totals) - min(totals) <= (world_size - 1) * one_row
 
 
+@pytest.mark.multirank
 def test_contiguous_causal_work_is_unbalanced(workers):
     """The counter sees the imbalance the balanced layouts remove (and can fail the tests above)."""
     case = Case(4, 1, 2, 2, 8, 8, True, "contiguous", "kv_ring", torch.float32, seed=0)
@@ -301,6 +312,7 @@ def test_contiguous_causal_work_is_unbalanced(workers):
     assert [work[0][step] for step in range(1, 4)] == [0, 0, 0]  # rank 0 skips every remote block
 
 
+@pytest.mark.multirank
 def test_forward_bytes_per_step_are_exactly_kv(workers):
     case = Case(3, 2, 4, 2, 6, 8, True, "zigzag", "burst", torch.bfloat16, seed=0)
     for calls in workers.get(3).run(_work_and_bytes, case):
@@ -343,6 +355,7 @@ def _compiled_matches_eager(rank, world_size, case: Case, backend: str):
                             for a, b in zip(eager[:4], compiled[:4]))}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("backend,plan,layout", [
     ("aot_eager", "burst", "zigzag"),
     ("aot_eager", "kv_ring", "striped"),
@@ -524,6 +537,7 @@ def _two_dim_mesh(rank, world_size):
     ra.ring_attention(*_qkv(), group_or_mesh=init_device_mesh("cpu", (1, world_size)))
 
 
+@pytest.mark.multirank
 def test_two_dimensional_mesh_is_rejected(workers):
     with pytest.raises(WorkerError, match="1-D DeviceMesh"):
         workers.get(2).run(_two_dim_mesh)

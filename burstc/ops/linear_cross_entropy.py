@@ -36,7 +36,7 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _empty_grad(like: Tensor | None, needed: bool, shape) -> Tensor:
+def _empty_grad(like: Tensor, needed: bool, shape) -> Tensor:
     """Contiguous fresh tensor of ``shape`` (or [0] when that gradient is not computed)."""
     return torch.empty(shape if needed else (0,), dtype=like.dtype, device=like.device)
 

@@ -61,7 +61,7 @@ class RingCallStats:
     ``bytes_sent_per_step[i]``: bytes of every tensor handed to ``isend`` while step ``i`` is
     computed (posted before it, waited for after it).  The forward has ``P`` entries (the last is
     0: nothing left to send); the backward has ``P + 1``: the extra last entry is the hop that
-    returns the travelling gradient accumulator (dK/dV or dQ) to its owner.
+    returns the travelling gradient accumulator (dK/dV or dQ) to its owner.  Empty when P = 1.
     """
 
     op: str                 # "forward" | "backward"
@@ -453,7 +453,8 @@ def _kv_ring_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, l
     kv_cur = [k.contiguous(), v.contiguous()]
     kv_buffers = _DoubleBuffer(kv_cur)
     dkv_buffers = _DoubleBuffer([dk_home, dv_home], ACC_DTYPE)
-    out_rows = out if delta is None else None  # a delta adjusted for grad_lse needs the stand-in
+    # The kernel reads delta from ``out``; a delta adjusted for grad_lse comes via the stand-in.
+    out_for_kernel = out if delta is None else None
     for step in range(size):
         kv_owner = (rank - step) % size
         sends, recvs = [], []
@@ -472,7 +473,7 @@ def _kv_ring_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, l
             grads = block_attention_backward(
                 grad_out[:, :, rows], q[:, :, rows], kv_cur[0][:, :, cols], kv_cur[1][:, :, cols],
                 lse[:, :, rows], None if delta is None else delta[:, :, rows],
-                None if out_rows is None else out_rows[:, :, rows], spec.causal, scale)
+                None if out_for_kernel is None else out_for_kernel[:, :, rows], spec.causal, scale)
             recorder.computed(step, spec, batch, heads_q)
             _add_rows_(dq_acc, rows, grads[0])
         _wait(requests)
