@@ -82,6 +82,73 @@ def _classify_node(gm, mask_node, to_visible) -> tuple[str, str]:
     return kind, "" if kind != "other" else "dense mask that is neither causal nor full"
 
 
+_LAYOUT_METHODS = ("transpose", "contiguous", "permute")
+
+
+def _unrepeated_kv(node: fx.Node):
+    """If ``node`` is ``repeat_kv(x)`` (``x[..., None, ...].expand(...).reshape(...)``, as HF and
+    torchtitan write it) followed only by transposes/contiguous, return (x, layout_chain, n_rep):
+    replaying the chain on x gives the same tensor with the kv heads not repeated."""
+    chain = []
+    while is_method(node, *_LAYOUT_METHODS):
+        chain.append(node)
+        node = node.args[0]
+    if not is_method(node, "reshape", "view") or not is_method(node.args[0], "expand"):
+        return None
+    expand = node.args[0]
+    inserted = expand.args[0]
+    if not (is_function(inserted, operator.getitem) or is_method(inserted, "unsqueeze")):
+        return None
+    x = inserted.args[0]
+    vx, vi, ve, vr = val(x), val(inserted), val(expand), val(node)
+    if any(v is None for v in (vx, vi, ve, vr)) or vi.dim() != vx.dim() + 1:
+        return None
+    # the inserted size-1 dim j, expanded to n_rep, merged with dim j-1 (the kv-head dim)
+    js = [j for j in range(1, vi.dim()) if vi.shape[j] == 1
+          and list(vi.shape[:j]) + list(vi.shape[j + 1:]) == list(vx.shape)]
+    for j in js:
+        n_rep = ve.shape[j]
+        merged = list(vx.shape)
+        merged[j - 1] *= n_rep
+        if list(ve.shape[:j]) + list(ve.shape[j + 1:]) == list(vx.shape) and list(vr.shape) == merged:
+            return x, list(reversed(chain)), n_rep
+    return None
+
+
+def _call_method(name):
+    return lambda t, *args, **kwargs: getattr(t, name)(*args, **kwargs)
+
+
+def _replay(graph, x, chain, before, fake_mode):
+    """Apply the layout ops of ``chain`` (in order) to ``x``, inserting the new nodes before ``before``."""
+    for op in chain:
+        args = (x,) + tuple(op.args[1:])
+        with graph.inserting_before(before):
+            x_next = graph.call_method(op.target, args, dict(op.kwargs))
+        set_meta(x_next, _call_method(op.target), args, dict(op.kwargs), fake_mode)
+        x = x_next
+    return x
+
+
+def _undo_repeat_kv(gm, node, fake_mode) -> bool:
+    """SDPA on repeated K/V heads -> SDPA(enable_gqa=True) on the kv heads, so that a ring sends
+    Hkv heads, not Hq."""
+    kwargs = sdpa_kwargs(node)
+    found_k, found_v = _unrepeated_kv(kwargs["key"]), _unrepeated_kv(kwargs["value"])
+    if found_k is None or found_v is None or found_k[2] != found_v[2] or found_k[2] == 1:
+        return False
+    k_x, k_chain, _ = found_k
+    v_x, v_chain, _ = found_v
+    new_k = _replay(gm.graph, k_x, k_chain, node, fake_mode)
+    new_v = _replay(gm.graph, v_x, v_chain, node, fake_mode)
+    if val(new_k) is None or val(new_k).dim() != 4:
+        return False
+    kwargs.update(key=new_k, value=new_v, enable_gqa=True)
+    node.args = (kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value"))
+    node.kwargs = kwargs
+    return True
+
+
 def _canonicalize_sdpa(gm, node, context):
     kwargs = sdpa_kwargs(node)
     mask = kwargs["attn_mask"]
@@ -169,11 +236,14 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.note = "single device: attention left to Inductor"
         return gm
     fake_mode = fake_mode_of(gm)
-    folded = manual = 0
+    folded = manual = unrepeated = 0
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
             _canonicalize_sdpa(gm, node, context)
             folded += "burstc_mask" in node.meta
+            if _undo_repeat_kv(gm, node, fake_mode):
+                node.meta["burstc_gqa"] = "repeat_kv undone: kv heads travel unrepeated"
+                unrepeated += 1
             continue
         match = _match_manual(gm, node)
         if match is None:
@@ -197,8 +267,9 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         node.replace_all_uses_with(sdpa)
         gm.graph.erase_node(node)
         manual += 1
-    if folded or manual:
+    if folded or manual or unrepeated:
         context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
-                        f"{manual} manual attention(s) canonicalized to SDPA (the shard pass rewrites them)")
+                        f"{manual} manual attention(s) canonicalized to SDPA, "
+                        f"{unrepeated} repeat_kv undone (enable_gqa); the shard pass rewrites them")
     gm.graph.eliminate_dead_code()
     return gm

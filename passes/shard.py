@@ -511,6 +511,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
             "plan": plan_name, "layout": layout, "causal": bool(kw["is_causal"]), "world_size": analyzer.P,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
             "mask": node.meta.get("burstc_mask", "is_causal" if kw["is_causal"] else "none"),
+            "kv_heads_on_wire": Hkv, "gqa_note": node.meta.get("burstc_gqa"),
             "predicted_bytes": dict(per_step),
             "planner_choice": choice.plan,
         }, module=_module_of(node))

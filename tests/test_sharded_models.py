@@ -55,11 +55,17 @@ def test_planner_picks_burst_for_mha_and_kv_ring_for_gqa(workers):
     pytest.importorskip("transformers")
     mha = assert_equivalent(zoo.titan_mha, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
                             group=workers.get(2), backend="aot_eager")
-    # HF's cache path calls SDPA with enable_gqa=True: 2 kv heads travel, not 4
-    gqa = assert_equivalent(zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_default, world_size=2,
-                            group=workers.get(2), backend="aot_eager")
+    # HF's cache path calls SDPA with enable_gqa=True; its no-cache path and torchtitan repeat the kv
+    # heads themselves (repeat_kv), which detect_attention undoes: 2 kv heads travel, not 4
+    for loss_fn in (zoo.hf_loss_default, zoo.hf_loss_no_cache):
+        gqa = assert_equivalent(zoo.hf_llama, zoo.hf_inputs, loss_fn, world_size=2,
+                                group=workers.get(2), backend="aot_eager")
+        assert _attention_plans(gqa) == {"kv_ring"}
+    titan = assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                              group=workers.get(2), backend="aot_eager")
+    assert _attention_plans(titan) == {"kv_ring"}
+    assert "kv_heads_on_wire=2" in titan[0]["report"]
     assert _attention_plans(mha) == {"burst"}
-    assert _attention_plans(gqa) == {"kv_ring"}
 
 
 def test_bf16(workers):
