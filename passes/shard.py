@@ -98,9 +98,10 @@ def find_sequence_length(gm: fx.GraphModule) -> int:
 
 
 class _Analyzer:
-    def __init__(self, gm, seq_len, world_size, config):
+    def __init__(self, gm, seq_len, world_size, config, padded_len=None):
         self.gm, self.S, self.P, self.config = gm, seq_len, world_size, config
-        self.s = seq_len // world_size
+        self.padded_len = padded_len or seq_len
+        self.s = self.padded_len // world_size
         self.plan = _Plan()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -475,11 +476,14 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
     layout = config.layout
     shard_cache = {}
 
-    def sharded(inp, dim):
-        key = (inp, dim)
+    padded_len = analyzer.padded_len
+
+    def sharded(inp, dim, pad_value=0.0):
+        key = (inp, dim, pad_value)
         if key not in shard_cache:
             with graph.inserting_after(inp):
-                shard_cache[key] = graph.call_function(torch.ops.burstc.shard_seq.default, (inp, dim, group_name, layout))
+                shard_cache[key] = graph.call_function(torch.ops.burstc.shard_seq.default,
+                                                       (inp, dim, group_name, layout, padded_len, pad_value))
         return shard_cache[key]
 
     for node, args_kwargs in plan.new_args.items():
@@ -497,7 +501,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
         B, Hq, _, D = val(q).shape
         Hkv = val(k).shape[1]
         scale = kw["scale"] if kw["scale"] is not None else D ** -0.5
-        choice = plan_attention(B, analyzer.S, analyzer.P, Hq, Hkv, D, val(q).dtype)
+        choice = plan_attention(B, analyzer.padded_len, analyzer.P, Hq, Hkv, D, val(q).dtype)
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
         per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
         with graph.inserting_before(node):
@@ -522,7 +526,9 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
         ignore_index = node.kwargs.get("ignore_index", -100)
         with graph.inserting_before(node):
             # the fused-loss pass gave the targets the hidden states' token shape: split them alike
-            target_local = graph.call_function(torch.ops.burstc.shard_seq.default, (target, d, group_name, layout))
+            # padded positions (if any) get ignore_index: they add nothing to the loss or the count
+            target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
+                                               (target, d, group_name, layout, padded_len, float(ignore_index)))
             normalizer = None
             if node.kwargs.get("reduction", "mean") == "mean":
                 valid = graph.call_function(operator.ne, (target, ignore_index))
@@ -542,7 +548,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
     for index, out in plan.outputs_to_gather:
         with graph.inserting_before(output_node):
             full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                       (out, analyzer.place(out), group_name, layout))
+                                       (out, analyzer.place(out), group_name, layout, analyzer.S))
         output_node.args = (tuple(full if (i == index) else o for i, o in enumerate(output_node.args[0])),)
         gathered.append(out.name)
 
@@ -585,16 +591,19 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.skip(KIND, "graph", f"{why}; the graph runs unsharded", module="")
         return gm
     multiple = required_multiple(context.world_size, config.layout)
-    if seq_len % multiple:
-        raise ValueError(
-            f"burstc: sequence length {seq_len} is not a multiple of {multiple}, which layout "
-            f"{config.layout!r} needs on {context.world_size} ranks; pad the batch to a multiple of {multiple}")
-    analyzer = _Analyzer(gm, seq_len, context.world_size, config)
+    padded_len = -(-seq_len // multiple) * multiple
+    analyzer = _Analyzer(gm, seq_len, context.world_size, config, padded_len)
     try:
         plan = analyzer.run()
     except _Refuse as refusal:
         context.skip(KIND, refusal.node, f"{refusal}; the whole graph runs unsharded (replicated on every rank)")
         return gm
+    if padded_len != seq_len and not all(sdpa_kwargs(n)["is_causal"] for n in plan.attention):
+        # padding at the end is exact only when no real token can see a pad: causal attention
+        raise ValueError(
+            f"burstc: sequence length {seq_len} is not a multiple of {multiple}, which layout "
+            f"{config.layout!r} needs on {context.world_size} ranks, and padding is exact only for causal "
+            f"attention; pad the batch to a multiple of {multiple}")
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
                      module="")
@@ -606,7 +615,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     _refresh_meta(gm)
     context.rewrite(KIND, "graph", {
         "seq_len": seq_len, "world_size": context.world_size, "layout": config.layout,
-        "local_tokens": seq_len // context.world_size, "attention_ops": len(plan.attention),
+        "padded_to": padded_len if padded_len != seq_len else None,
+        "local_tokens": padded_len // context.world_size, "attention_ops": len(plan.attention),
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None,
     }, module="")

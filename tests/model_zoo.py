@@ -99,3 +99,26 @@ class MeanPooled(torch.nn.Module):
 def mean_pooled():
     torch.manual_seed(0)
     return MeanPooled()
+
+
+class Bidirectional(torch.nn.Module):
+    """Non-causal SDPA: padding the sequence would change the real tokens' outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def bidirectional():
+    torch.manual_seed(0)
+    return Bidirectional()

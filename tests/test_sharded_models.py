@@ -86,13 +86,25 @@ def test_position_mixing_model_is_refused_and_still_exact(workers):
     assert len(reasons) == 1 and "reduces over the sequence dim" in reasons[0]
 
 
-def _compile_odd_length(rank, world_size):
+def test_length_the_layout_cannot_split_is_padded_when_exact(workers):
+    # 30 tokens on 4 zigzag ranks (a multiple of 8 is needed): causal attention and ignored targets
+    # make padding to 32 exact
+    results = assert_equivalent(zoo.titan_llama, zoo.titan_inputs_odd_length, zoo.call_with_loss, world_size=4,
+                                group=workers.get(4), backend="aot_eager")
+    assert "padded_to=32" in results[0]["report"]
+
+
+def test_bidirectional_model_matches_when_divisible(workers):
+    assert_equivalent(zoo.bidirectional, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                      group=workers.get(2), backend="aot_eager")
+
+
+def _compile_odd_length_bidirectional(rank, world_size):
     import burstc
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
-    model = zoo.titan_llama()
-    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager")
+    cmodel = burstc.compile(zoo.bidirectional(), init_device_mesh("cpu", (world_size,)), backend="aot_eager")
     try:
         zoo.call_with_loss(cmodel, zoo.titan_inputs_odd_length())
     except Exception as e:  # Dynamo wraps backend errors
@@ -100,9 +112,9 @@ def _compile_odd_length(rank, world_size):
     return "no error"
 
 
-def test_length_the_layout_cannot_split_is_a_clear_error(workers):
-    messages = workers.get(4).run(_compile_odd_length)
-    assert all("not a multiple of 8" in m for m in messages), messages
+def test_length_that_padding_cannot_fix_is_a_clear_error(workers):
+    messages = workers.get(4).run(_compile_odd_length_bidirectional)
+    assert all("not a multiple of 8" in m and "causal" in m for m in messages), messages
 
 
 def _different_batches(rank, world_size):

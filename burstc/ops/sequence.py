@@ -28,51 +28,68 @@ def _positions(group_name: str, seq_len: int, layout: str, device) -> Tensor:
     return local_positions(seq_len, dist.get_world_size(group), dist.get_rank(group), layout, device=device)
 
 
+def _padded(x: Tensor, dim: int, padded_len: int, pad_value: float) -> Tensor:
+    if padded_len <= x.shape[dim]:
+        return x
+    shape = list(x.shape)
+    shape[dim] = padded_len - x.shape[dim]
+    return torch.cat([x, x.new_full(shape, pad_value)], dim=dim)
+
+
 @torch.library.custom_op("burstc::shard_seq", mutates_args=())
-def shard_seq(x: Tensor, dim: int, group_name: str, layout: str) -> Tensor:
+def shard_seq(x: Tensor, dim: int, group_name: str, layout: str, padded_len: int = -1,
+              pad_value: float = 0.0) -> Tensor:
+    """This rank's tokens of ``x`` along ``dim``; with ``padded_len`` > S, ``x`` is first padded at
+    the end with ``pad_value`` (the shard pass pads only where that is exact: causal attention,
+    ignored targets)."""
+    x = _padded(x, dim, padded_len, pad_value)
     return x.index_select(dim, _positions(group_name, x.shape[dim], layout, x.device))
 
 
 @shard_seq.register_fake
-def _(x, dim, group_name, layout):
+def _(x, dim, group_name, layout, padded_len=-1, pad_value=0.0):
     world = dist.get_world_size(_resolve_process_group(group_name))
     shape = list(x.shape)
-    shape[dim] //= world
+    shape[dim] = max(shape[dim], padded_len) // world
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("burstc::unshard_seq_grad", mutates_args=())
-def unshard_seq_grad(grad: Tensor, dim: int, full_len: int, group_name: str, layout: str) -> Tensor:
+def unshard_seq_grad(grad: Tensor, dim: int, full_len: int, group_name: str, layout: str,
+                     padded_len: int = -1) -> Tensor:
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    total = grad.shape[dim] * world
     shape = list(grad.shape)
-    shape[dim] = full_len
-    full = grad.new_zeros(shape)
-    return full.index_copy(dim, _positions(group_name, full_len, layout, grad.device), grad)
+    shape[dim] = total
+    full = grad.new_zeros(shape).index_copy(dim, _positions(group_name, total, layout, grad.device), grad)
+    return full.narrow(dim, 0, full_len).contiguous()
 
 
 @unshard_seq_grad.register_fake
-def _(grad, dim, full_len, group_name, layout):
+def _(grad, dim, full_len, group_name, layout, padded_len=-1):
     shape = list(grad.shape)
     shape[dim] = full_len
     return grad.new_empty(shape)
 
 
 def _shard_setup(ctx, inputs, output):
-    x, dim, group_name, layout = inputs
-    ctx.args = (dim, x.shape[dim], group_name, layout)
+    x, dim, group_name, layout, padded_len, _ = inputs
+    ctx.args = (dim, x.shape[dim], group_name, layout, padded_len)
     ctx.differentiable = x.is_floating_point() or x.is_complex()
 
 
 def _shard_backward(ctx, grad):
     if not ctx.differentiable:
-        return None, None, None, None
-    return torch.ops.burstc.unshard_seq_grad(grad, *ctx.args), None, None, None
+        return None, None, None, None, None, None
+    return torch.ops.burstc.unshard_seq_grad(grad, *ctx.args), None, None, None, None, None
 
 
 shard_seq.register_autograd(_shard_backward, setup_context=_shard_setup)
 
 
 @torch.library.custom_op("burstc::gather_seq", mutates_args=())
-def gather_seq(x: Tensor, dim: int, group_name: str, layout: str) -> Tensor:
+def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int = -1) -> Tensor:
+    """All ranks' shards -> the full tensor in global order (its first ``true_len`` positions)."""
     group = _resolve_process_group(group_name)
     world = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
@@ -82,24 +99,28 @@ def gather_seq(x: Tensor, dim: int, group_name: str, layout: str) -> Tensor:
     positions = torch.cat([local_positions(full_len, world, r, layout, device=x.device) for r in range(world)])
     full = torch.empty((full_len,) + tuple(local.shape[1:]), dtype=x.dtype, device=x.device)
     full[positions] = torch.cat(chunks)
+    if 0 <= true_len < full_len:
+        full = full[:true_len]
     return full.movedim(0, dim).contiguous()
 
 
 @gather_seq.register_fake
-def _(x, dim, group_name, layout):
+def _(x, dim, group_name, layout, true_len=-1):
     world = dist.get_world_size(_resolve_process_group(group_name))
     shape = list(x.shape)
-    shape[dim] *= world
+    shape[dim] = true_len if true_len >= 0 else shape[dim] * world
     return x.new_empty(shape)
 
 
 def _gather_setup(ctx, inputs, output):
-    _, dim, group_name, layout = inputs
-    ctx.args = (dim, group_name, layout)
+    x, dim, group_name, layout, _ = inputs
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    ctx.args = (dim, group_name, layout, x.shape[dim] * world)
 
 
 def _gather_backward(ctx, grad):
-    return torch.ops.burstc.shard_seq(grad.contiguous(), *ctx.args), None, None, None
+    dim, group_name, layout, padded_len = ctx.args
+    return torch.ops.burstc.shard_seq(grad.contiguous(), dim, group_name, layout, padded_len, 0.0), None, None, None, None
 
 
 gather_seq.register_autograd(_gather_backward, setup_context=_gather_setup)
