@@ -31,6 +31,13 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
+from burstc.passes import module_path
+from burstc.passes.graph_utils import const_number as _const
+from burstc.passes.graph_utils import fake_mode_of as _fake_mode
+from burstc.passes.graph_utils import is_function as _is_function
+from burstc.passes.graph_utils import is_method as _is_method
+from burstc.passes.graph_utils import set_meta as _set_meta
+from burstc.passes.graph_utils import val as _val
 
 KIND = "lm_head_loss"
 _CROSS_ENTROPY_TARGETS = (F.cross_entropy,)
@@ -59,20 +66,12 @@ class LMHeadLossMatch:
     chain: list = field(default_factory=list)         # nodes from the CE input back to the linear
 
 
-def _val(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
-def _is_method(node, *names):
-    return node.op == "call_method" and node.target in names
 
 
-def _is_function(node, *targets):
-    return node.op == "call_function" and node.target in targets
 
 
-def _const(x):
-    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
 def _full_slice(item) -> bool:
@@ -205,26 +204,8 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
                            float(label_smoothing), softcap, slices, chain)
 
 
-def _fake_mode(gm: fx.GraphModule):
-    """The fake mode of the graph's own example values (Dynamo's), so new meta is consistent."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    for node in gm.graph.nodes:
-        val = _val(node)
-        if isinstance(val, FakeTensor):
-            return val.fake_mode
-    return None
 
 
-def _set_meta(node: fx.Node, fn, args, kwargs, fake_mode):
-    if fake_mode is None:
-        return
-    def to_fake(a):
-        return _val(a) if isinstance(a, fx.Node) else a
-    fargs = torch.fx.node.map_aggregate(args, to_fake)
-    fkwargs = torch.fx.node.map_aggregate(kwargs, to_fake)
-    with fake_mode:
-        node.meta["example_value"] = fn(*fargs, **fkwargs)
 
 
 def _predicted_bytes(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, chunk: int) -> dict:
@@ -299,7 +280,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             "label_smoothing": match.label_smoothing, "softcap": match.softcap,
             "bias": match.bias is not None, "chunk_size": chunk, "logits": logits_note,
             "predicted_peak_bytes": _predicted_bytes(num_tokens, vocab, hidden_size, hidden_val.dtype, chunk),
-        }, module=_module_of(match.linear_node))
+        }, module=module_path(match.linear_node))
     if drop_from_outputs:
         drop_graph_outputs(gm, output_node, drop_from_outputs)
     gm.graph.eliminate_dead_code()
@@ -317,9 +298,3 @@ def drop_graph_outputs(gm: fx.GraphModule, output_node: fx.Node, nodes: list[fx.
     drop = {i for i, o in enumerate(outputs) if any(o is n for n in nodes)}
     output_node.args = (tuple(o for i, o in enumerate(outputs) if i not in drop),)
     gm.meta["burstc_dropped_outputs"] = tuple(sorted(earlier + [original_index[i] for i in drop]))
-
-
-def _module_of(node):
-    from burstc.passes import module_path
-
-    return module_path(node)

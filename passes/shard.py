@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.layout import required_multiple
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
+from burstc.passes import module_path
 from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
 from burstc.passes.detect_attention import SDPA, sdpa_kwargs
 from burstc.passes.graph_utils import const_number, fake_mode_of, is_function, is_method, op_name, \
@@ -518,7 +519,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
             "kv_heads_on_wire": Hkv, "gqa_note": node.meta.get("burstc_gqa"),
             "predicted_bytes": dict(per_step),
             "planner_choice": choice.plan,
-        }, module=_module_of(node))
+        }, module=module_path(node))
 
     for node in plan.losses:
         hidden, weight, target = node.args[:3]
@@ -560,12 +561,6 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
                     synced = graph.call_function(grad_all_reduce, (node, group_name))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
     return gathered
-
-
-def _module_of(node):
-    from burstc.passes import module_path
-
-    return module_path(node)
 
 
 def _refresh_meta(gm: fx.GraphModule):
