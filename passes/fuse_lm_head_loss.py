@@ -118,6 +118,8 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             raise _Refuse("cross_entropy input is not a graph value")
         if _is_function(node, *_LINEAR_TARGETS):
             return node, chain, slices, softcap
+        if node.op == "placeholder":
+            raise _Refuse("the logits come from outside this graph (a graph break between the LM head and the loss)")
         val = _val(node)
         chain.append(node)
         if _is_method(node, "float", "contiguous"):

@@ -46,7 +46,7 @@ R = None  # replicated placement
 _POINTWISE_FUNCTIONS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.neg,
     operator.pow, operator.and_, operator.or_, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
-    operator.ge, operator.invert,
+    operator.ge, operator.invert, operator.iadd, operator.isub, operator.imul, operator.itruediv,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.exp, torch.log, torch.tanh, torch.sigmoid,
     torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.where, torch.pow, torch.abs, torch.clamp, torch.erf,
     torch.square, torch.reciprocal, torch.maximum, torch.minimum, torch.relu,
@@ -104,6 +104,7 @@ class _Analyzer:
         self.padded_len = padded_len or seq_len
         self.s = self.padded_len // world_size
         self.plan = _Plan()
+        self.output_problem = None
 
     # -- helpers -------------------------------------------------------------------------------
     def place(self, a):
@@ -318,6 +319,20 @@ class _Analyzer:
             if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
                 self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
             return out_dim
+        if is_function(node, torch.addmm):  # GPT-2's Conv1D: addmm(bias, x_2d, weight)
+            if self.place(args[1]) != 0 or self.place(args[2]) is not R or self.place(args[0]) is not R:
+                self.refuse(node, "addmm with the sequence outside the rows of its first matrix")
+            return 0
+        if is_method(node, "repeat_interleave") or is_function(node, torch.repeat_interleave):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if dim is None or _norm_dim(dim, val(x).dim()) == d or isinstance(args[1] if len(args) > 1 else None,
+                                                                                fx.Node):
+                self.refuse(node, "repeat_interleave along (or flattening) the sequence dim")
+            return d
+        if is_method(node, "broadcast_to") or is_function(node, torch.broadcast_to):
+            out_dim = d + v.dim() - val(x).dim()
+            self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
+            return out_dim
         if is_method(node, "expand", "repeat"):
             out_dim = d + v.dim() - val(x).dim()
             if is_method(node, "repeat"):
@@ -451,8 +466,8 @@ class _Analyzer:
             if isinstance(p, int):
                 self.plan.outputs_to_gather.append((i, out))
             elif isinstance(val(out), torch.Tensor) and val(out).requires_grad and not self._depends_on_loss(out):
-                self.refuse(out, f"output `{out.name}` depends on parameters through replicated ops only "
-                                 "(its gradient would be counted once per rank)")
+                self.output_problem = (out, f"output `{out.name}` is computed by replicated ops only from "
+                                            "values that need gradients (they would be counted once per rank)")
 
     def _depends_on_loss(self, node):
         seen, stack = set(), [node]
@@ -602,6 +617,10 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
                      module="")
+        return gm
+    if analyzer.output_problem is not None:
+        node, reason = analyzer.output_problem
+        context.skip(KIND, node, f"{reason}; the whole graph runs unsharded (replicated on every rank)")
         return gm
     group_name = _group_name(context)
     gathered = _apply(gm, plan, analyzer, config, context, group_name)

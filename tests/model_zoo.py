@@ -122,3 +122,30 @@ class Bidirectional(torch.nn.Module):
 def bidirectional():
     torch.manual_seed(0)
     return Bidirectional()
+
+
+def hf_arch(config_name: str):
+    """A tiny random-init HF causal LM of the given architecture (eval mode: no dropout)."""
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
+    special = {
+        "GPT2Config": dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+        "OPTConfig": dict(vocab_size=97, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64, word_embed_proj_dim=32),
+        "GPTNeoXConfig": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64),
+        "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_kv_heads=2, new_decoder_architecture=True),
+    }
+    kw = dict(special.get(config_name, kw), pad_token_id=0)
+    config = getattr(transformers, config_name)(**kw)
+    impl = "eager" if config_name == "Gemma2Config" else "sdpa"   # Gemma-2 has no SDPA path
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+
+
+def hf_arch_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (1, 32), generator=g)
