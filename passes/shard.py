@@ -105,6 +105,7 @@ class _Analyzer:
         self.s = self.padded_len // world_size
         self.plan = _Plan()
         self.output_problem = None
+        self.loss_derived = set()
 
     # -- helpers -------------------------------------------------------------------------------
     def place(self, a):
@@ -450,6 +451,7 @@ class _Analyzer:
                 self.plan.placement[node] = R
             elif node.op in ("call_function", "call_method"):
                 self.plan.placement[node] = self.visit(node)
+                self.check_loss_terms(node)
             elif node.op == "call_module":
                 if any(self.place(a) is not R for a in node.all_input_nodes):
                     self.refuse(node, f"submodule call `{node.target}` on a sharded value")
@@ -457,6 +459,22 @@ class _Analyzer:
             elif node.op == "output":
                 self.visit_output(node)
         return self.plan
+
+    def check_loss_terms(self, node):
+        """A replicated value that needs gradients combined with the (all-reduced) loss, e.g. a
+        regularizer ``loss + c * w.pow(2).sum()``: every rank would add its full gradient and the
+        parameter-gradient all-reduce would count it P times.  Refuse."""
+        if node in self.plan.losses:
+            self.loss_derived.add(node)
+            return
+        if not any(a in self.loss_derived for a in node.all_input_nodes):
+            return
+        self.loss_derived.add(node)
+        for a in node.all_input_nodes:
+            v = val(a)
+            if a not in self.loss_derived and self.place(a) is R and isinstance(v, torch.Tensor) and v.requires_grad:
+                self.refuse(node, f"`{a.name}` (replicated, needs gradients) is combined with the loss; its "
+                                  "gradient would be counted once per rank")
 
     def visit_output(self, node):
         for i, out in enumerate(node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]):

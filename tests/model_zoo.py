@@ -149,3 +149,22 @@ def hf_arch(config_name: str):
 def hf_arch_inputs():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 97, (1, 32), generator=g)
+
+
+class Regularized(torch.nn.Module):
+    """A loss plus a replicated parameter term: the shard pass must refuse (not count it P times)."""
+
+    def __init__(self):
+        super().__init__()
+        from burstc.models import TitanLlama, TitanLlamaArgs, WithLoss
+
+        torch.manual_seed(0)
+        self.inner = WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                                        vocab_size=97, max_seq_len=64)))
+
+    def forward(self, tokens, labels):
+        return self.inner(tokens, labels) + 0.01 * self.inner.model.output.weight.pow(2).sum()
+
+
+def regularized():
+    return Regularized()

@@ -86,6 +86,13 @@ def test_position_mixing_model_is_refused_and_still_exact(workers):
     assert len(reasons) == 1 and "reduces over the sequence dim" in reasons[0]
 
 
+def test_replicated_term_added_to_the_loss_is_refused_and_still_exact(workers):
+    results = assert_equivalent(zoo.regularized, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", expect_sharded=False)
+    reasons = [reason for kind, reason in results[0]["skipped"] if kind == "shard"]
+    assert len(reasons) == 1 and "combined with the loss" in reasons[0], reasons
+
+
 def test_length_the_layout_cannot_split_is_padded_when_exact(workers):
     # 30 tokens on 4 zigzag ranks (a multiple of 8 is needed): causal attention and ignored targets
     # make padding to 32 exact
