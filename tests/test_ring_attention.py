@@ -53,6 +53,7 @@ class Case:
     seed: int
     scale: float | None = None
     lse_grad: bool = False  # also differentiate through the returned lse
+    out_grad: bool = True   # differentiate through the output (False: lse only)
 
 
 def _full_inputs(case: Case):
@@ -77,9 +78,10 @@ def _reference(case: Case, q, k, v, grad_out, grad_lse):
         seq_len = q.shape[2]
         scores = scores.masked_fill(~torch.ones(seq_len, seq_len, dtype=torch.bool).tril(), float("-inf"))
     lse = torch.logsumexp(scores, -1)
-    loss = (out * grad_out.float()).sum() + ((lse * grad_lse).sum() if case.lse_grad else 0.0)
+    loss = ((out * grad_out.float()).sum() if case.out_grad else 0.0) + ((lse * grad_lse).sum() if case.lse_grad else 0.0)
     loss.backward()
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q32.grad, "dk": k32.grad, "dv": v32.grad}
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (q32, k32, v32)]  # lse ignores v
+    return {"out": out.detach(), "lse": lse.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}
 
 
 def _errors(mine: dict, reference: dict) -> dict:
@@ -111,7 +113,7 @@ def _run_case(rank, world_size, case: Case, group_or_mesh_kind: str = "default")
     with ra.record_stats() as stats:
         out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, group_or_mesh=group_or_mesh, causal=case.causal,
                                               layout=case.layout, plan=case.plan, scale=case.scale)
-        loss = (out.float() * shard(grad_out).float()).sum()
+        loss = (out.float() * shard(grad_out).float()).sum() if case.out_grad else 0.0
         if case.lse_grad:
             loss = loss + (lse * shard(grad_lse)).sum()
         loss.backward()
@@ -194,6 +196,15 @@ def test_fp16(workers, plan):
 def test_gradient_through_lse(workers, plan, dtype):
     case = Case(3, 1, 4, 2, 6, 8, True, "striped", plan, dtype, seed=5, lse_grad=True)
     _assert_close(case, workers.get(3).run(_run_case, case))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_gradient_through_lse_only(workers, plan):
+    """grad_out is 0 everywhere, so no stand-in output can carry delta = -grad_lse: the block
+    backward must switch to the kernel that takes delta."""
+    case = Case(2, 1, 2, 1, 8, 8, True, "zigzag", plan, torch.float32, seed=8, lse_grad=True, out_grad=False)
+    _assert_close(case, workers.get(2).run(_run_case, case))
 
 
 @pytest.mark.multirank
@@ -479,6 +490,7 @@ def test_stand_in_output_reproduces_delta_and_gradients(dtype):
         torch.testing.assert_close(rebuilt, delta, atol=1e-6, rtol=1e-6)  # exact up to fp32 rounding
     else:
         torch.testing.assert_close(rebuilt, delta, atol=2e-2, rtol=1e-2)  # stand-in rounded to bf16
+    assert ra.stand_in_output(grad_out, delta - 1.0) is None  # zero row, delta != 0: impossible
     real = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, True)
     fake = ra.block_attention_backward(grad_out, q, k, v, ra._lse_to_BHS(lse), delta, None, True, 1 / math.sqrt(8))
     atol = 1e-5 if dtype == torch.float32 else 3e-2

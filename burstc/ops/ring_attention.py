@@ -166,7 +166,8 @@ class BlockSpec:
         rows, cols = self.q_stop - self.q_start, self.kv_stop - self.kv_start
         if not self.causal:
             return rows * cols
-        return sum(min(i + 1, cols) for i in range(rows))
+        triangle = min(rows, cols)
+        return triangle * (triangle + 1) // 2 + (rows - triangle) * cols
 
 
 def block_spec(layout: str, causal: bool, q_owner: int, kv_owner: int, local_len: int) -> BlockSpec | None:
@@ -250,13 +251,16 @@ def block_attention_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
 
     ``lse_BHS`` and ``delta_BHS = rowsum(out * grad_out)`` (fp32) are those of the full attention
     row, so per-block results add up to the exact gradients.  Pass ``out_BHSD`` (the global output
-    rows) or ``delta_BHS``, or both (then they must agree).
+    rows) or ``delta_BHS``, or both (then they must agree).  On CPU the flash kernel runs (with a
+    stand-in output when only delta is given); the plain-torch kernel otherwise, and on CPU when
+    no stand-in exists (see :func:`stand_in_output`).
     """
     if _use_cpu_flash(q_BHSD):
         if out_BHSD is None:
             out_BHSD = stand_in_output(grad_out_BHSD, delta_BHS)
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, 0.0, causal, scale=scale)
+        if out_BHSD is not None:
+            return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, 0.0, causal, scale=scale)
     if delta_BHS is None:
         delta_BHS = attention_delta(out_BHSD, grad_out_BHSD)
     return _reference_block_backward(grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, lse_BHS, delta_BHS, causal, scale)
@@ -267,18 +271,23 @@ def attention_delta(out_BHSD: Tensor, grad_out_BHSD: Tensor) -> Tensor:
     return (out_BHSD.to(ACC_DTYPE) * grad_out_BHSD.to(ACC_DTYPE)).sum(-1)
 
 
-def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor) -> Tensor:
+def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor) -> Tensor | None:
     """An ``out`` for the CPU flash backward that only reproduces ``rowsum(out * grad_out) = delta``.
 
     The kernel uses ``out`` for nothing else (tests check it: perturbing out orthogonally to
-    grad_out leaves all gradients unchanged), so ``grad_out * delta / rowsum(grad_out**2)`` (0 on
-    rows where grad_out is 0, whose gradient contributions vanish anyway) replaces the real output
-    of a query block that lives on another rank, and only the fp32 row ``delta`` has to travel.
-    Exact up to fp32 rounding for fp32 inputs; in bf16/fp16 the stand-in is rounded like any output.
+    grad_out leaves all gradients unchanged), so ``grad_out * delta / rowsum(grad_out**2)``
+    replaces the real output of a query block that lives on another rank, and only the fp32 row
+    ``delta`` has to travel.  Exact up to fp32 rounding for fp32 inputs; in bf16/fp16 the stand-in
+    is rounded like any output.  A row with ``grad_out = 0`` gets 0, which is right when ``delta =
+    0`` there (no lse gradient); ``None`` if some such row has ``delta != 0`` (only an lse gradient
+    can do that): no stand-in exists and the caller must use a kernel that takes delta.
     """
     grad_out = grad_out_BHSD.to(ACC_DTYPE)
     norm_sq = (grad_out * grad_out).sum(-1, keepdim=True)
-    ratio = torch.where(norm_sq > 0, delta_BHS.unsqueeze(-1) / norm_sq, torch.zeros_like(norm_sq))
+    delta = delta_BHS.unsqueeze(-1)
+    if bool(((norm_sq == 0) & (delta != 0)).any()):
+        return None
+    ratio = torch.where(norm_sq > 0, delta / norm_sq, torch.zeros_like(norm_sq))
     return (grad_out * ratio).to(grad_out_BHSD.dtype)
 
 
