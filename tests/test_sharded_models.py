@@ -144,3 +144,29 @@ def _different_batches(rank, world_size):
 def test_check_inputs_detects_different_batches(workers):
     messages = workers.get(2).run(_different_batches)
     assert all("different batches" in m for m in messages), messages
+
+
+def _kept_logits(rank, world_size):
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = zoo.nanogpt_sdpa()
+    x, y = zoo.nanogpt_inputs()
+    ref_logits, ref_loss = model(x, y)
+    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager", keep_logits=True)
+    logits, loss = cmodel(x, y)
+    # a loss on the gathered (full, replicated) logits: its gradient must flow back exactly once
+    (logits.float().pow(2).mean() + loss).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    (ref_logits.float().pow(2).mean() + ref_loss).backward()
+    worst = max(float((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-6))
+                for n, p in model.named_parameters())
+    return float((logits - ref_logits).abs().max()), float((loss - ref_loss).abs()), worst, str(burstc.report(cmodel))
+
+
+def test_kept_logits_are_gathered_full_and_differentiable(workers):
+    for logits_err, loss_err, grad_err, report in workers.get(2).run(_kept_logits):
+        assert "gathered_outputs" in report
+        assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-4, (logits_err, loss_err, grad_err)
