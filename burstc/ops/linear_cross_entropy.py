@@ -7,8 +7,9 @@ Public entry point: :func:`linear_cross_entropy`. Custom ops (namespace ``burstc
   recompute). Its autograd formula only scales the saved gradients by grad_output.
 - ``burstc::linear_cross_entropy_forward``: per-token losses + lse (forward-only use, and reduction="none"). Its
   autograd formula calls
-- ``burstc::linear_cross_entropy_backward``: recomputes logit chunks from (hidden, weight, lse) and returns
-  gradients of sum_n grad_loss_n * loss_n.
+- ``burstc::linear_cross_entropy_backward``: recomputes logit chunks from (hidden, weight) and returns gradients
+  of sum_n grad_loss_n * loss_n (the Triton kernel reuses the saved lse; the CPU path recomputes it with the
+  fused softmax, which is cheaper there than exp(z - lse)).
 
 The plain ``_*_impl`` functions are the ops' bodies (tests call them under a dispatch mode to see every
 allocation). All three ops are opaque to Dynamo/AOTAutograd (FakeTensor kernels give shapes), so they trace under
@@ -68,7 +69,7 @@ def _grads_impl(hidden, weight, target, bias, lse, token_grad_scale, ignore_inde
         )
     _, _, grad_hidden, grad_weight, grad_bias = chunked_linear_cross_entropy(
         hidden, weight, target, bias,
-        token_grad_scale_N=token_grad_scale, lse_N=lse,
+        token_grad_scale_N=token_grad_scale,  # the CPU path recomputes lse with the fused softmax
         ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, chunk_size=chunk_size,
         need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
     )
@@ -147,12 +148,17 @@ def _lce_with_grads_fake(hidden, weight, target, bias, normalizer, ignore_index,
 def _lce_with_grads_setup(ctx, inputs, output):
     loss, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+    # otherwise autograd hands backward zero-filled [V, H] / [N, H] "gradients" for these outputs: one more copy
+    # of the gradients at the peak
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, loss, inputs[4])
 
 
 def _lce_with_grads_backward(ctx, grad_loss, _grad_gh, _grad_gw, _grad_gb):
     grad_hidden, grad_weight, grad_bias, loss, normalizer = ctx.saved_tensors
     needs = ctx.needs_input_grad
+    if grad_loss is None:  # not materialized (see setup): the loss did not reach the differentiated output
+        return (None,) * 13
     # the forward already holds d loss / d (hidden, weight, bias); the chain rule only scales them
     grad_normalizer = None
     if needs[4]:
@@ -185,7 +191,10 @@ def _forward_op_impl(
     chunk_size: int,
     impl: str,
 ) -> tuple[Tensor, Tensor]:
-    """(loss_N, lse_N): per-token losses (0 at ignored tokens) and log-sum-exp of the (softcapped) logits."""
+    """(loss_N, lse_N): per-token losses (0 at ignored tokens) and log-sum-exp of the (softcapped) logits.
+
+    lse is auxiliary (not differentiable); the CPU path skips ignored tokens and leaves their lse at 0.
+    """
     loss_N, lse_N = _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap,
                                   chunk_size, impl)
     return loss_N, lse_N
@@ -252,6 +261,7 @@ def _lce_forward_setup(ctx, inputs, output):
     hidden, weight, target, bias, ignore_index, label_smoothing, softcap, chunk_size, impl = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)  # auxiliary output
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, target, bias, lse)
     ctx.options = (ignore_index, label_smoothing, softcap, chunk_size, impl)
     ctx.has_bias = bias is not None
@@ -259,6 +269,8 @@ def _lce_forward_setup(ctx, inputs, output):
 
 def _lce_forward_backward(ctx, grad_loss, _grad_lse):
     hidden, weight, target, bias, lse = ctx.saved_tensors
+    if grad_loss is None:  # not materialized: the per-token losses did not reach the differentiated output
+        return (None,) * 9
     needs = ctx.needs_input_grad
     need_grad_bias = ctx.has_bias and needs[3]
     grad_hidden, grad_weight, grad_bias = _lce_backward(
