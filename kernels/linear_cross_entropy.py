@@ -34,12 +34,15 @@ __all__ = [
 ]
 
 # Transient budget for a chunk's [C, V] GEMM-output buffer (see default_chunk_size): 32 MiB = 256 rows at
-# V = 32768 in fp32. fp32 GEMMs on this 2-core CPU run at ~110-160 GFLOP/s for any C >= 256.
+# V = 32768 in fp32.
 TRANSIENT_BUDGET_BYTES = 32 * 2**20
-# Low precision aims at this many rows per chunk (see default_chunk_size): bf16 GEMMs of the three LM-head shapes
-# ran at ~230 GFLOP/s with 256-512 rows and ~360 with 1024 (fwd+bwd at 4096 x 256 x 32768: 0.73-0.82 s at 256
-# rows, 0.68-0.75 s at 1024).
-_LOW_PRECISION_TARGET_ROWS = 1024
+# Chunks grow past the budget towards these GEMM-friendly sizes while the [C, V] buffer stays within a multiple of
+# the fp32 weight-gradient accumulator (V * H * 4 bytes), i.e. when the accumulator dominates memory anyway.
+# Measured on the 2-core CPU: bf16 GEMMs of the three LM-head shapes ran at ~230 GFLOP/s with 256-512 rows and
+# ~360-400 with 1024-2048; fp32 at ~120 GFLOP/s with 128 rows and ~150-170 with 512-1024 (H = 1024, V = 65536).
+# End to end (16384 x 1024 x 65536 bf16): 19.2 s with 1024-row chunks, 18.8 s with 2048.
+_TARGET_ROWS = {"low_precision": 2048, "fp32": 512}
+_ACCUMULATOR_MULTIPLE = {"low_precision": 2, "fp32": 1}
 # Rows per chunk are a multiple of this (matmul blocking), unless the whole input is smaller.
 _CHUNK_ROW_MULTIPLE = 16
 # Rows per softmax block: the fp32 passes run on at most this many rows at a time (8 MiB at V = 32768, mostly
@@ -104,12 +107,16 @@ def default_chunk_size(
       [B, V] fp32 softmax block (low precision only; fp32 inputs run the softmax in the GEMM output)  B * V * 4
       [B, V] fp32 tanh(x / c) for the softcap derivative (softcap only)                               B * V * 4
       [S, H] bf16 weight-grad partial + fp32 staging (low precision only)                           4 + 4 MiB
-    fp32: C = TRANSIENT_BUDGET_BYTES / (V * 4), e.g. V = 32768 -> 256 rows (32 MiB).
-    Low precision: bf16 GEMMs want ~1024 rows, and every chunk adds its V x H weight-grad partial into the fp32
-    accumulator (a memory-bound pass worth ~50 / C of the chunk's GEMM time on this CPU), so C aims at 1024 rows,
-    allowed past the budget while the buffer stays under twice the accumulator (V * H * 8 bytes): bf16,
-    V = 32768, H = 256 -> 1024 rows (64 MiB next to a 32 MiB accumulator); V = 65536, H = 1024 -> 1024 rows
-    (128 MiB next to 256 MiB); V = 262144, H = 64 -> 256 rows (128 MiB, twice the 64 MiB accumulator).
+    C = max(TRANSIENT_BUDGET_BYTES / (V * e), min(target, k * V * H * 4 / (V * e))): the budget, or more rows up
+    to a GEMM-friendly target (2048 low precision, 512 fp32) while the [C, V] buffer stays within k times the
+    fp32 weight-grad accumulator (k = 2 low precision, 1 fp32). Low precision also adds each chunk's V x H
+    weight-grad partial into the accumulator (a memory-bound pass worth ~50 / C of the chunk's GEMM time), another
+    reason for large chunks. Examples:
+      bf16, V = 32768, H = 256    -> 1024 rows (64 MiB next to a 32 MiB accumulator)
+      bf16, V = 65536, H = 1024   -> 2048 rows (256 MiB next to a 256 MiB accumulator)
+      bf16, V = 262144, H = 64    -> 256 rows (128 MiB, twice the 64 MiB accumulator; the budget alone: 64)
+      fp32, V = 32768, H = 256    -> 256 rows (32 MiB, the budget; = the accumulator)
+      fp32, V = 65536, H = 1024   -> 512 rows (128 MiB next to 256 MiB)
     The whole op then holds, besides the transient,
       V * H * 4 (fp32 weight-grad accumulator) + V * H * e (the weight gradient, cast at the end while the
       accumulator is alive) + N * H * e (the hidden gradient),
@@ -119,11 +126,11 @@ def default_chunk_size(
     """
     del softcap  # the softcap buffer has a fixed number of rows
     elem = torch.empty((), dtype=dtype).element_size()
-    budget_rows = TRANSIENT_BUDGET_BYTES // max(vocab * elem, 1)
-    if elem >= 4:
-        rows = budget_rows
-    else:
-        rows = min(_LOW_PRECISION_TARGET_ROWS, max(budget_rows, (vocab * hidden * 8) // max(vocab * elem, 1)))
+    kind = "low_precision" if elem < 4 else "fp32"
+    row_bytes = max(vocab * elem, 1)
+    budget_rows = TRANSIENT_BUDGET_BYTES // row_bytes
+    growth_rows = (_ACCUMULATOR_MULTIPLE[kind] * vocab * hidden * 4) // row_bytes
+    rows = max(budget_rows, min(_TARGET_ROWS[kind], growth_rows))
     rows = max(_CHUNK_ROW_MULTIPLE, rows - rows % _CHUNK_ROW_MULTIPLE)
     if isinstance(num_tokens, int) and num_tokens > 0:
         rows = min(rows, num_tokens)

@@ -537,10 +537,13 @@ def test_default_chunk_size_memory_budget():
     assert default_chunk_size(None, 32768, 256, torch.float32) == 256
     assert default_chunk_size(100, 32768, 256, torch.float32) == 100
     assert default_chunk_size(None, 32768, 256, torch.float32, softcap=True) == 256
-    assert default_chunk_size(None, 10**7, 256, torch.float32) == 16  # floor for matmul efficiency
-    # bf16 aims at 1024 rows: 64 MiB at V = 32768, H = 256 (twice the 32 MiB accumulator), 128 MiB at V = 65536
+    # fp32 grows to 512 rows while the buffer stays within the accumulator: V = 65536, H = 1024 -> 128 MiB
+    assert default_chunk_size(None, 65536, 1024, torch.float32) == 512
+    assert default_chunk_size(None, 10**7, 4, torch.float32) == 16  # floor for matmul efficiency
+    # bf16 aims at 2048 rows within twice the accumulator: V = 32768, H = 256 -> 1024 rows (64 MiB, twice the
+    # 32 MiB accumulator); V = 65536, H = 1024 -> 2048 rows (256 MiB next to a 256 MiB accumulator)
     assert default_chunk_size(None, 32768, 256, torch.bfloat16) == 1024
-    assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 1024
+    assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 2048
     assert default_chunk_size(300, 65536, 1024, torch.bfloat16) == 300
     # V = 262144, H = 64: twice the 64 MiB accumulator allows 256 rows; the 32 MiB budget alone would give 64
     assert default_chunk_size(None, 262144, 64, torch.bfloat16) == 256
