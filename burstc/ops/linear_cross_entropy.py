@@ -42,6 +42,23 @@ def _empty_grad(like: Tensor, needed: bool, shape) -> Tensor:
     return torch.empty(shape if needed else (0,), dtype=like.dtype, device=like.device)
 
 
+def _grads_or_empty(hidden, weight, bias, grads) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) with an empty [0] tensor for each gradient not computed (None):
+    a custom op cannot return None."""
+    likes = (hidden, weight, bias if bias is not None else weight)
+    return tuple(g if g is not None else _empty_grad(like, False, None) for g, like in zip(grads, likes))
+
+
+def _fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias):
+    """Fake (meta) gradients with the shapes the real ops return."""
+    return (
+        _empty_grad(hidden, need_grad_hidden, hidden.shape),
+        _empty_grad(weight, need_grad_weight, weight.shape),
+        _empty_grad(bias if bias is not None else weight, need_grad_bias and bias is not None,
+                    bias.shape if bias is not None else None),
+    )
+
+
 def _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap, chunk_size, impl):
     if impl == "triton":
         from burstc.kernels.linear_cross_entropy_triton import triton_lce_forward
@@ -119,12 +136,7 @@ def _with_grads_impl(
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
         )
     loss = loss_N.sum() / normalizer
-    return (
-        loss,
-        grad_hidden if grad_hidden is not None else _empty_grad(hidden, False, None),
-        grad_weight if grad_weight is not None else _empty_grad(weight, False, None),
-        grad_bias if grad_bias is not None else _empty_grad(bias if bias is not None else weight, False, None),
-    )
+    return (loss, *_grads_or_empty(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias)))
 
 
 _lce_with_grads = torch.library.custom_op(
@@ -136,13 +148,7 @@ _lce_with_grads = torch.library.custom_op(
 def _lce_with_grads_fake(hidden, weight, target, bias, normalizer, ignore_index, label_smoothing, softcap,
                          chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
     loss = torch.empty((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
-    return (
-        loss,
-        _empty_grad(hidden, need_grad_hidden, hidden.shape),
-        _empty_grad(weight, need_grad_weight, weight.shape),
-        _empty_grad(bias if bias is not None else weight, need_grad_bias and bias is not None,
-                    bias.shape if bias is not None else None),
-    )
+    return (loss, *_fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias))
 
 
 def _lce_with_grads_setup(ctx, inputs, output):
@@ -234,11 +240,7 @@ def _backward_op_impl(
         hidden, weight, target, bias, lse, grad_loss, ignore_index, label_smoothing, softcap,
         chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias,
     )
-    return (
-        grad_hidden if grad_hidden is not None else _empty_grad(hidden, False, None),
-        grad_weight if grad_weight is not None else _empty_grad(weight, False, None),
-        grad_bias if grad_bias is not None else _empty_grad(bias if bias is not None else weight, False, None),
-    )
+    return _grads_or_empty(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
 
 
 _lce_backward = torch.library.custom_op(
@@ -249,12 +251,7 @@ _lce_backward = torch.library.custom_op(
 @_lce_backward.register_fake
 def _lce_backward_fake(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap,
                        chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
-    return (
-        _empty_grad(hidden, need_grad_hidden, hidden.shape),
-        _empty_grad(weight, need_grad_weight, weight.shape),
-        _empty_grad(bias if bias is not None else weight, need_grad_bias and bias is not None,
-                    bias.shape if bias is not None else None),
-    )
+    return _fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias)
 
 
 def _lce_forward_setup(ctx, inputs, output):

@@ -447,6 +447,32 @@ def _add_rows_(acc: Tensor, rows: slice, part: Tensor) -> None:
     acc[:, :, rows] += part.to(acc.dtype)
 
 
+def _post_backward_step(ring: _Ring, recorder, step: int, travelling, travel_buffers: _DoubleBuffer,
+                        acc_buffers: _DoubleBuffer):
+    """Post one backward step's transfers, shared by both plans: the inputs that travel (until the last
+    step) and, from step 2 on, the gradient accumulator finished at the previous step (the one of the
+    block held now arrives).  Returns ``(requests, the arriving inputs or None)``."""
+    sends, recvs, arriving = [], [], None
+    if step < ring.size - 1:
+        arriving = travel_buffers.get(step)
+        sends += travelling
+        recvs += arriving
+    if step >= 2:
+        sends += acc_buffers.get(step - 1)
+        recvs += acc_buffers.get(step)
+    return ring.post(sends, recvs, recorder, step), arriving
+
+
+def _return_accumulators_home(ring: _Ring, recorder, acc_buffers: _DoubleBuffer, home: list[Tensor]) -> None:
+    """Last hop: each travelling accumulator reaches its owner and adds into the owner's own share."""
+    if ring.size == 1:
+        return
+    returned = acc_buffers.get(ring.size)
+    _wait(ring.post(acc_buffers.get(ring.size - 1), returned, recorder, ring.size))
+    for acc, part in zip(home, returned):
+        acc += part
+
+
 def _kv_ring_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, layout, scale, recorder):
     """K, V circulate with fp32 dK, dV accumulators; dQ accumulates at home.
 
@@ -466,15 +492,7 @@ def _kv_ring_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, l
     out_for_kernel = out if delta is None else None
     for step in range(size):
         kv_owner = (rank - step) % size
-        sends, recvs = [], []
-        if step < size - 1:
-            kv_next = kv_buffers.get(step)
-            sends += kv_cur
-            recvs += kv_next
-        if step >= 2:
-            sends += dkv_buffers.get(step - 1)  # accumulator finished at the previous step
-            recvs += dkv_buffers.get(step)      # accumulator of the block held now
-        requests = ring.post(sends, recvs, recorder, step)
+        requests, kv_next = _post_backward_step(ring, recorder, step, kv_cur, kv_buffers, dkv_buffers)
         spec = block_spec(layout, causal, rank, kv_owner, local_len)
         grads = None
         if spec is not None:
@@ -492,11 +510,7 @@ def _kv_ring_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, l
             _add_rows_(dv_acc, spec.kv_rows, grads[2])
         if step < size - 1:
             kv_cur = kv_next
-    if size > 1:  # last hop: each accumulator reaches its owner
-        returned = dkv_buffers.get(size)
-        _wait(ring.post(dkv_buffers.get(size - 1), returned, recorder, size))
-        dk_home += returned[0]
-        dv_home += returned[1]
+    _return_accumulators_home(ring, recorder, dkv_buffers, [dk_home, dv_home])
     return dq_acc.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
 
 
@@ -518,15 +532,7 @@ def _burst_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, lay
     dq_buffers = _DoubleBuffer([dq_home], ACC_DTYPE)
     for step in range(size):
         q_owner = (rank - step) % size
-        sends, recvs = [], []
-        if step < size - 1:
-            read_next = read_buffers.get(step)
-            sends += read_cur
-            recvs += read_next
-        if step >= 2:
-            sends += dq_buffers.get(step - 1)
-            recvs += dq_buffers.get(step)
-        requests = ring.post(sends, recvs, recorder, step)
+        requests, read_next = _post_backward_step(ring, recorder, step, read_cur, read_buffers, dq_buffers)
         spec = block_spec(layout, causal, q_owner, rank, local_len)
         grads = None
         if spec is not None:
@@ -544,10 +550,7 @@ def _burst_backward(grad_out, q, k, v, out, lse, delta, ring: _Ring, causal, lay
             _add_rows_(dq_acc, spec.q_rows, grads[0])
         if step < size - 1:
             read_cur = read_next
-    if size > 1:
-        returned = dq_buffers.get(size)
-        _wait(ring.post(dq_buffers.get(size - 1), returned, recorder, size))
-        dq_home += returned[0]
+    _return_accumulators_home(ring, recorder, dq_buffers, [dq_home])
     return dq_home.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
