@@ -74,7 +74,7 @@ class _Plan:
     shard_inputs: dict = field(default_factory=dict)     # node -> {input node: dim}
     new_args: dict = field(default_factory=dict)         # node -> (args, kwargs)
     attention: list = field(default_factory=list)        # SDPA nodes to become ring attention
-    losses: list = field(default_factory=list)           # fused loss nodes
+    losses: list = field(default_factory=list)           # fused loss nodes and plain cross_entropy nodes
     outputs_to_gather: list = field(default_factory=list)
 
 
@@ -220,8 +220,7 @@ class _Analyzer:
         if is_function(node, linear_cross_entropy):
             return self.visit_loss(node)
         if is_function(node, F.cross_entropy) and sharded_ins:
-            self.refuse(node, "cross_entropy on sharded logits that the LM-head fusion did not rewrite "
-                              "(see the lm_head_loss skip reason)")
+            return self.visit_cross_entropy(node)
         if is_function(node, SDPA):
             return self.visit_attention(node) if sharded_ins else R
         # index -> activation: embedding and float conversion of replicated indices
@@ -433,8 +432,6 @@ class _Analyzer:
         hidden, weight, target = node.args[:3]
         if self.place(hidden) is R:
             return R
-        if node.kwargs.get("reduction", "mean") == "none":
-            self.refuse(node, "per-token losses (reduction='none') of a sharded sequence")
         if self.place(target) is not R:
             self.refuse(node, "loss targets are already sharded")
         d = self.place(hidden)
@@ -444,6 +441,33 @@ class _Analyzer:
             self.refuse(node, "loss targets do not have the hidden states' token shape")
         self.plan.losses.append(node)
         return R  # the all-reduce inserted after it makes the loss replicated
+
+    def visit_cross_entropy(self, node):
+        """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
+        between the head and the loss, or the fusion switched off): per-token losses on the local rows,
+        gathered, then the requested reduction on the full, replicated vector (see :func:`_apply`)."""
+        kw = cross_entropy_kwargs(node)
+        if kw is None:
+            self.refuse(node, "could not normalize the cross_entropy call on sharded logits")
+        logits, target = kw["input"], kw["target"]
+        if kw.get("weight") is not None:
+            self.refuse(node, "cross_entropy with class weights on sharded logits")
+        if kw.get("size_average") is not None or kw.get("reduce") is not None:
+            self.refuse(node, "cross_entropy with the legacy size_average/reduce arguments")
+        if kw.get("reduction", "mean") not in ("mean", "sum", "none"):
+            self.refuse(node, f"cross_entropy reduction {kw.get('reduction')!r}")
+        if not isinstance(kw.get("ignore_index", -100), int):
+            self.refuse(node, "cross_entropy ignore_index is not a constant")
+        logits_val, target_val = val(logits), val(target)
+        if logits_val.dim() != 2 or self.place(logits) != 0:
+            self.refuse(node, "cross_entropy on sharded logits that are not [tokens, classes] with the "
+                              "tokens sharded (batch > 1 flattened with the sequence?)")
+        if self.place(target) is not R:
+            self.refuse(node, "cross_entropy targets are already sharded")
+        if target_val.dim() != 1 or target_val.shape[0] != self.S or target_val.dtype.is_floating_point:
+            self.refuse(node, "cross_entropy targets are not class indices, one per token of the sequence")
+        self.plan.losses.append(node)
+        return R  # the per-token losses are gathered: the loss is replicated
 
     def run(self):
         for node in self.gm.graph.nodes:
@@ -555,6 +579,9 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
         }, module=module_path(node))
 
     for node in plan.losses:
+        if is_function(node, F.cross_entropy):
+            _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S)
+            continue
         hidden, weight, target = node.args[:3]
         d = analyzer.place(hidden)
         ignore_index = node.kwargs.get("ignore_index", -100)
@@ -574,7 +601,12 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
         node.args = (hidden, weight, target_local) + tuple(node.args[3:])
         node.kwargs = kwargs
         with graph.inserting_after(node):
-            total = graph.call_function(loss_all_reduce, (node, group_name))
+            if node.kwargs.get("reduction", "mean") == "none":
+                # per-token losses (the targets' shape): gathered like a sharded output, exactly-once gradients
+                total = graph.call_function(torch.ops.burstc.gather_seq.default,
+                                            (node, d, group_name, layout, analyzer.S))
+            else:
+                total = graph.call_function(loss_all_reduce, (node, group_name))
         node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -594,6 +626,46 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
                     synced = graph.call_function(grad_all_reduce, (node, group_name))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
     return gathered
+
+
+def cross_entropy_kwargs(node: fx.Node) -> dict | None:
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return None if normalized is None else dict(normalized.kwargs)
+
+
+def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
+                         seq_len: int) -> None:
+    """``cross_entropy(logits_local, targets)`` -> per-token losses of the local rows (this rank's targets,
+    padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call asked.
+
+    Exact: the per-token losses are those of one device; the gather's backward hands each rank the
+    gradient of its own rows, and the parameter-gradient all-reduce sums the ranks' contributions.
+    The mean divides by the count of non-ignored targets, as ``F.cross_entropy`` does (all ignored:
+    0 / 0 = nan, like eager).  The gathered vector is S floats: negligible next to the logits.
+    """
+    kw = cross_entropy_kwargs(node)
+    target = kw["target"]
+    ignore_index = kw.get("ignore_index", -100)
+    reduction = kw.get("reduction", "mean")
+    with graph.inserting_before(node):
+        target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
+                                           (target, 0, group_name, layout, padded_len, float(ignore_index)))
+        per_token_local = graph.call_function(F.cross_entropy, (kw["input"], target_local), {
+            "ignore_index": ignore_index, "reduction": "none",
+            "label_smoothing": kw.get("label_smoothing", 0.0)})
+        per_token = graph.call_function(torch.ops.burstc.gather_seq.default,
+                                        (per_token_local, 0, group_name, layout, seq_len))
+        if reduction == "none":
+            loss = per_token
+        else:
+            loss = graph.call_method("sum", (per_token,))
+            if reduction == "mean":
+                count = graph.call_method("sum", (graph.call_function(operator.ne, (target, ignore_index)),))
+                loss = graph.call_function(operator.truediv, (loss, count))
+    node.replace_all_uses_with(loss)
+    graph.erase_node(node)
 
 
 def _refresh_meta(gm: fx.GraphModule):

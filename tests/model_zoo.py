@@ -168,3 +168,40 @@ class Regularized(torch.nn.Module):
 
 def regularized():
     return Regularized()
+
+
+def hf_inputs_single_sequence():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 97, (1, 32), generator=g)
+
+
+class WeightedPerTokenLoss(torch.nn.Module):
+    """A loss built from ``reduction='none'`` per-token losses (position weights, masked mean), as
+    custom training losses do: the shard pass must gather the per-token losses, not refuse."""
+
+    def __init__(self):
+        super().__init__()
+        from burstc.models import TitanLlama, TitanLlamaArgs
+
+        torch.manual_seed(0)
+        self.model = TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97,
+                                               max_seq_len=64))
+
+    def forward(self, tokens, labels):
+        logits = self.model(tokens)
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
+                                                      reduction="none")
+        # later tokens weigh more; a replicated, gradient-free weight vector
+        weights = torch.linspace(0.5, 1.5, per_token.shape[0])
+        return (per_token * weights).sum() / weights.sum() + per_token.max()
+
+
+def weighted_per_token_loss():
+    return WeightedPerTokenLoss()
+
+
+def single_sequence_inputs():
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 97, (1, 32), generator=g), torch.randint(0, 97, (1, 32), generator=g)
+    labels[0, 5:11] = -100
+    return tokens, labels

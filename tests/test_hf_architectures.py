@@ -16,9 +16,11 @@ ARCHITECTURES = {
     "LlamaConfig": True, "MistralConfig": True, "Qwen2Config": True, "Qwen3Config": True, "GemmaConfig": True,
     "Phi3Config": True, "GPTNeoXConfig": True, "StableLmConfig": True, "OlmoConfig": True, "Olmo2Config": True,
     "OPTConfig": True, "FalconConfig": True, "GPT2Config": True,
-    # refused today, with reasons: Gemma-2 (eager attention with soft-capped scores), Cohere (logit scale),
-    # Granite (logits divided by a scale)
-    "Gemma2Config": False, "CohereConfig": False, "GraniteConfig": False,
+    # the logits are scaled between the head and the loss (no LM-head fusion): sharded with a plain
+    # cross_entropy on each rank's rows
+    "CohereConfig": True, "GraniteConfig": True,
+    # refused today, with its reason: Gemma-2 (eager attention with soft-capped scores)
+    "Gemma2Config": False,
 }
 
 

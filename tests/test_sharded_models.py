@@ -170,3 +170,37 @@ def test_kept_logits_are_gathered_full_and_differentiable(workers):
     for logits_err, loss_err, grad_err, report in workers.get(2).run(_kept_logits):
         assert "gathered_outputs" in report
         assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-4, (logits_err, loss_err, grad_err)
+
+
+def _shard_rewrites(results):
+    return [kind for kind, _ in results[0]["rewrites"]]
+
+
+def test_unfused_cross_entropy_is_sharded(workers):
+    # the LM-head fusion switched off: cross_entropy on this rank's logits rows, per-token losses
+    # gathered, HF's mean over the non-ignored labels (B = 1: the sequence is the flattened token dim)
+    pytest.importorskip("transformers")
+    for world_size in (2, 4):
+        results = assert_equivalent(zoo.hf_llama, zoo.hf_inputs_single_sequence, zoo.hf_loss_no_cache,
+                                    world_size=world_size, group=workers.get(world_size), backend="aot_eager",
+                                    disable_passes=("fuse_lm_head_loss",))
+        kinds = _shard_rewrites(results)
+        assert "lm_head_loss" not in kinds and kinds.count("shard") == 1 and kinds.count("attention") == 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_per_token_losses_are_gathered(workers, fused):
+    options = {} if fused else {"disable_passes": ("fuse_lm_head_loss",)}
+    results = assert_equivalent(zoo.weighted_per_token_loss, zoo.single_sequence_inputs, zoo.call_with_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", **options)
+    kinds = _shard_rewrites(results)
+    assert kinds.count("lm_head_loss") == (1 if fused else 0) and kinds.count("shard") == 1
+
+
+def test_unfused_cross_entropy_over_a_batch_is_refused_and_still_exact(workers):
+    # B = 2 flattened with the sequence: the local rows are not one slice of the flattened tokens
+    results = assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", expect_sharded=False,
+                                disable_passes=("fuse_lm_head_loss",))
+    reasons = [reason for kind, reason in results[0]["skipped"] if kind == "shard"]
+    assert len(reasons) == 1 and "merges or splits the sequence dim" in reasons[0], reasons
