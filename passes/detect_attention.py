@@ -29,8 +29,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from burstc.passes.graph_utils import (NotConstant, const_number, evaluate_constant, fake_mode_of, is_function,
-                                       is_method, set_meta, val)
+from burstc.passes.graph_utils import (NotConstant, ancestors, const_number, eliminate_dead_code, evaluate_constant,
+                                       fake_mode_of, is_function, is_method, set_meta, val)
 
 KIND = "attention"
 SDPA = F.scaled_dot_product_attention
@@ -66,10 +66,10 @@ def _visible_from_sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > float("-inf")
 
 
-def _classify_node(gm, mask_node, to_visible) -> tuple[str, str]:
-    """-> (kind, reason): kind in causal/full/other/unknown."""
+def _classify_node(gm, mask_node, to_visible, consumer) -> tuple[str, str]:
+    """-> (kind, reason): kind in causal/full/other/unknown, for the mask as ``consumer`` reads it."""
     try:
-        mask = evaluate_constant(gm, mask_node)
+        mask = evaluate_constant(gm, mask_node, at=consumer)
     except NotConstant as why:
         return "unknown", f"mask depends on runtime values ({why})"
     if not isinstance(mask, torch.Tensor):
@@ -159,7 +159,7 @@ def _canonicalize_sdpa(gm, node, context):
     if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
             and not val(mask).is_floating_point():
         return
-    kind, reason = _classify_node(gm, mask, _visible_from_sdpa_mask)
+    kind, reason = _classify_node(gm, mask, _visible_from_sdpa_mask, node)
     if kind in ("causal", "full"):
         node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
         node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
@@ -252,7 +252,9 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         if match["mask"] is not None:
             style, mask_node = match["mask"]
             to_visible = (lambda m: ~m.to(torch.bool)) if style == "masked_fill" else _visible_from_sdpa_mask
-            kind, reason = _classify_node(gm, mask_node, to_visible)
+            on_path = set(ancestors(node))
+            reader = next((n for n in gm.graph.nodes if n in mask_node.users and n in on_path), node)
+            kind, reason = _classify_node(gm, mask_node, to_visible, reader)
             if kind not in ("causal", "full"):
                 context.skip(KIND, node, f"manual attention with a {reason or kind + ' mask'}")
                 continue
@@ -271,5 +273,5 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
                         f"{manual} manual attention(s) canonicalized to SDPA, "
                         f"{unrepeated} repeat_kv undone (enable_gqa); the shard pass rewrites them")
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm

@@ -33,6 +33,8 @@ from torch.fx.operator_schemas import normalize_function
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.passes import module_path
 from burstc.passes.graph_utils import const_number as _const
+from burstc.passes.graph_utils import eliminate_dead_code
+from burstc.passes.graph_utils import in_place_writes as _in_place_writes
 from burstc.passes.graph_utils import fake_mode_of as _fake_mode
 from burstc.passes.graph_utils import is_function as _is_function
 from burstc.passes.graph_utils import is_method as _is_method
@@ -158,14 +160,34 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
 
 def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
     matches = []
+    writes = position = None
     for node in gm.graph.nodes:
         if not _is_function(node, *_CROSS_ENTROPY_TARGETS):
             continue
         try:
-            matches.append(_match_one(node))
+            match = _match_one(node)
+            if writes is None:
+                writes = _in_place_writes(gm.graph)
+                position = {n: i for i, n in enumerate(gm.graph.nodes)}
+            _check_no_lost_writes(match, writes, position)
+            matches.append(match)
         except _Refuse as refusal:
             context.skip(KIND, node, str(refusal))
     return matches
+
+
+def _check_no_lost_writes(match: LMHeadLossMatch, writes, position) -> None:
+    """The fused op replaces the linear and reads hidden, weight and bias where the loss was, and the
+    logits disappear: an in-place write to the logits before the loss, or to hidden/weight/bias between
+    the linear and the loss, would be lost.  (The targets are read where the loss was, as before.)"""
+    start, end = position[match.linear_node], position[match.loss_node]
+    logits = {match.linear_node, *match.chain}
+    operands = {n for n in (match.hidden, match.weight, match.bias) if isinstance(n, fx.Node)}
+    for op, aliases in writes:
+        if position[op] < end and aliases & logits:
+            raise _Refuse(f"the logits are modified in place (`{op.name}`) before the loss")
+        if start < position[op] < end and aliases & operands:
+            raise _Refuse(f"an input of the LM head is modified in place (`{op.name}`) before the loss")
 
 
 def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
@@ -285,7 +307,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         }, module=module_path(match.linear_node))
     if drop_from_outputs:
         drop_graph_outputs(gm, output_node, drop_from_outputs)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     return gm
 
 

@@ -80,25 +80,120 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
     return order
 
 
+_INPLACE_OPERATORS = {operator.setitem, operator.delitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+# ops whose output may share storage with their first input: a mutation of one is a mutation of the other
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "expand", "expand_as",
+                 "unsqueeze", "squeeze", "narrow", "select", "unflatten", "flatten", "as_strided", "split", "chunk",
+                 "unbind", "contiguous", "to", "type_as", "float", "detach", "__getitem__", "diagonal", "movedim",
+                 "swapaxes", "unfold", "view_as_real", "view_as_complex", "real", "imag", "T", "mT"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze,
+                   torch.narrow, torch.select, torch.flatten, torch.split, torch.chunk, torch.unbind, torch.t,
+                   torch.movedim, torch.swapaxes, torch.diagonal, torch.view_as_real, torch.view_as_complex,
+                   torch.detach}
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """True for an op that writes into one of its inputs: ``x.scatter_(...)``, ``x[i] = v``, ``x += y``,
+    ``torch.relu_(x)``, a mutable custom op, an ``out=`` call.  Dynamo graphs record such ops with
+    their result unused (later readers name the mutated input), so nothing but this test keeps a
+    pass from dropping them or reading the input's value from before the write."""
+    if node.op == "call_method":
+        name = node.target
+        return name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS or "out" in node.kwargs:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__") and not name.startswith("_")
+
+
+def _may_alias(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output may share (a view-like op), else None."""
+    if node.op == "call_method" and node.target in _VIEW_METHODS and node.args:
+        base = node.args[0]
+    elif node.op == "call_function" and node.target in _VIEW_FUNCTIONS and node.args:
+        base = node.args[0]
+    else:
+        return None
+    return base if isinstance(base, fx.Node) else None
+
+
+def in_place_writes(graph: fx.Graph) -> list[tuple[fx.Node, set[fx.Node]]]:
+    """``(op, values)`` for every op that writes in place: ``values`` are the tensor it writes into and
+    everything that may alias it (views of it and the values it is a view of, transitively)."""
+    writes = []
+    for node in graph.nodes:
+        if not is_mutating(node):
+            continue
+        targets = [a for a in (node.args[:1] + tuple(v for k, v in node.kwargs.items() if k == "out"))
+                   if isinstance(a, fx.Node)]
+        aliases, stack = set(), targets
+        while stack:
+            n = stack.pop()
+            if n in aliases:
+                continue
+            aliases.add(n)
+            base = _may_alias(n)
+            if base is not None:
+                stack.append(base)
+            stack.extend(u for u in n.users if _may_alias(u) is n)
+        writes.append((node, aliases))
+    return writes
+
+
+def mutated_values(graph: fx.Graph) -> set[fx.Node]:
+    """Every value some op writes into in place, with everything that may alias it."""
+    return set().union(*(aliases for _, aliases in in_place_writes(graph)))
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """``graph.eliminate_dead_code()`` that also keeps in-place ops whose result is unused (FX keeps
+    only the ones it knows; e.g. it drops ``x.scatter_(...)``, which would silently change the model)."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n))
+
+
 class NotConstant(Exception):
     pass
 
 
-def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28):
+def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28, at: fx.Node | None = None):
     """Evaluate ``node`` with real tensors if it depends only on constants and module buffers
     (never on the caller's inputs or on parameters); raises :class:`NotConstant` otherwise.
 
+    The value is the one ``node`` holds when ``at`` (default: ``node`` itself) runs: in-place writes
+    into it (or into what it aliases, or what it was computed from) made before ``at`` are replayed in
+    graph order, e.g. HF's mask built by ``torch.full`` then edited with ``triu_`` / ``&=``.
+
     Buffers are read at compile time: a mask kept in a buffer (nanoGPT's ``tril``) is assumed not
     to change between calls."""
-    order = [n for n in gm.graph.nodes if n in set(ancestors(node))]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    cutoff = position[at if at is not None else node]
+    writes = [(op, aliases) for op, aliases in in_place_writes(gm.graph) if position[op] < cutoff]
+    needed = set(ancestors(node))
+    grew = True
+    while grew:  # the writes into needed values, and what those writes read
+        grew = False
+        for op, aliases in writes:
+            if op not in needed and aliases & needed:
+                needed.update(ancestors(op))
+                grew = True
+    order = [n for n in gm.graph.nodes if n in needed]
     env = {}
     for n in order:
         if n.op == "placeholder":
             if placeholder_kind(n) != "buffer":
                 raise NotConstant(f"depends on the {placeholder_kind(n)} `{n.name}`")
-            env[n] = placeholder_example(n)
-            if env[n] is None:
+            # a copy: replayed in-place writes must not reach the module's buffer
+            example = placeholder_example(n)
+            if example is None:
                 raise NotConstant(f"no value recorded for buffer `{n.name}`")
+            env[n] = example.detach().clone() if isinstance(example, torch.Tensor) else example
             continue
         v = val(n)
         if isinstance(v, torch.Tensor) and v.numel() > max_numel:
@@ -110,7 +205,8 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28)
         elif n.op == "call_method":
             env[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
         elif n.op == "get_attr":
-            env[n] = getattr(gm, n.target)
+            attr = getattr(gm, n.target)
+            env[n] = attr.detach().clone() if isinstance(attr, torch.Tensor) else attr
         else:
             raise NotConstant(f"cannot evaluate `{n.op}` node `{n.name}`")
     return env[node]
@@ -126,4 +222,5 @@ def prod(xs) -> int:
 
 __all__ = ["val", "fake_mode_of", "set_meta", "is_function", "is_method", "op_name", "placeholder_kind",
            "placeholder_example", "ancestors", "evaluate_constant", "NotConstant", "const_number", "prod",
+           "is_mutating", "in_place_writes", "mutated_values", "eliminate_dead_code",
            "operator"]

@@ -37,8 +37,8 @@ from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.passes import module_path
 from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
 from burstc.passes.detect_attention import SDPA, sdpa_kwargs
-from burstc.passes.graph_utils import const_number, fake_mode_of, is_function, is_method, op_name, \
-    placeholder_kind, prod, val
+from burstc.passes.graph_utils import const_number, eliminate_dead_code, fake_mode_of, is_function, is_method, \
+    is_mutating, mutated_values, op_name, placeholder_kind, prod, val
 
 KIND = "shard"
 R = None  # replicated placement
@@ -51,11 +51,19 @@ _POINTWISE_FUNCTIONS = {
     torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.where, torch.pow, torch.abs, torch.clamp, torch.erf,
     torch.square, torch.reciprocal, torch.maximum, torch.minimum, torch.relu,
     F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus, F.leaky_relu, F.mish, F.elu,
+    torch.expm1, torch.log1p, torch.polar, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.erfc,
+    torch.atan, torch.atan2, torch.log2, torch.exp2, torch.sinh, torch.cosh, torch.logical_not, torch.logical_and,
+    torch.logical_or, torch.isnan, torch.isinf, torch.nan_to_num, torch.lerp, torch.addcmul, torch.addcdiv,
+    torch.clip, torch.fmod, torch.remainder, torch.true_divide, torch.minimum, torch.maximum,
+    F.hardtanh, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.logsigmoid, F.softsign, F.relu6,
 }
 _POINTWISE_METHODS = {
     "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone", "detach", "sin", "cos",
     "exp", "log", "pow", "neg", "sigmoid", "tanh", "rsqrt", "sqrt", "masked_fill", "add", "mul", "sub", "div",
     "abs", "clamp", "relu", "square", "reciprocal", "__mul__", "__add__", "__sub__", "__truediv__", "float_power",
+    "expm1", "log1p", "sign", "floor", "ceil", "round", "trunc", "erf", "clip", "lerp", "addcmul", "nan_to_num",
+    "logical_not", "isnan", "where", "tanh", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
+    "__rtruediv__",
 }
 _UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"}
@@ -106,6 +114,7 @@ class _Analyzer:
         self.plan = _Plan()
         self.output_problem = None
         self.loss_derived = set()
+        self.mutated = mutated_values(gm.graph)
 
     # -- helpers -------------------------------------------------------------------------------
     def place(self, a):
@@ -115,6 +124,9 @@ class _Analyzer:
         raise _Refuse(node, reason)
 
     def shard_input(self, node, inp, dim):
+        if inp in self.mutated:
+            # shard_seq copies the value where it is made, before the write
+            self.refuse(node, f"`{inp.name}` is modified in place and would be sharded before the write")
         self.plan.shard_inputs.setdefault(node, {})[inp] = dim
 
     def seq_dims(self, v):
@@ -216,6 +228,11 @@ class _Analyzer:
 
         if node.op == "call_function" and getattr(target, "__name__", "") in _NO_TENSOR_SIDE_EFFECT:
             return R
+        if sharded_ins and is_mutating(node):
+            written = args[0] if args else None
+            if not isinstance(written, fx.Node) or self.place(written) is R:
+                # the write would land in a sharded copy while later readers see the replicated original
+                self.refuse(node, f"in-place `{op_name(node)}` writes sharded values into a replicated tensor")
         # the fused LM-head loss
         if is_function(node, linear_cross_entropy):
             return self.visit_loss(node)
@@ -260,6 +277,10 @@ class _Analyzer:
             if node.op == "call_method" and target in _UNARY_FIRST_ARG_METHODS:
                 return d
             return self.pointwise(node, ins)
+        if is_function(node, torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like):
+            return d  # a fresh tensor shaped like this rank's tokens
+        if is_function(node, torch.min, torch.max) or is_method(node, "min", "max"):
+            return self.visit_min_max(node, x, d)
         if is_function(node, F.dropout):
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
@@ -441,6 +462,22 @@ class _Analyzer:
             self.refuse(node, "loss targets do not have the hidden states' token shape")
         self.plan.losses.append(node)
         return R  # the all-reduce inserted after it makes the loss replicated
+
+    def visit_min_max(self, node, x, d):
+        """``min/max(a, b)``: pointwise; ``min/max(x, dim)``: (values, indices) reduced over ``dim``."""
+        args, kwargs = node.args, node.kwargs
+        other = kwargs.get("other", args[1] if len(args) > 1 else None)
+        if isinstance(other, fx.Node) and isinstance(val(other), torch.Tensor):
+            return self.pointwise(node, self.tensor_args(node))
+        dim = kwargs.get("dim", other)
+        if not isinstance(dim, int):
+            self.refuse(node, f"`{op_name(node)}` reduces over all dims, including the sequence")
+        dim = _norm_dim(dim, val(x).dim())
+        if dim == d:
+            self.refuse(node, f"`{op_name(node)}` reduces over the sequence dim")
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        out = d if keepdim or dim > d else d - 1
+        return [out, out]
 
     def visit_cross_entropy(self, node):
         """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
@@ -714,7 +751,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         return gm
     group_name = _group_name(context)
     gathered = _apply(gm, plan, analyzer, config, context, group_name)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm.graph)
     gm.graph.lint()
     _refresh_meta(gm)
     context.rewrite(KIND, "graph", {

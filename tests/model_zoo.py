@@ -124,24 +124,34 @@ def bidirectional():
     return Bidirectional()
 
 
+_HF_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
+                n_positions=64, ffn_dim=64, word_embed_proj_dim=32, moe_intermediate_size=32, num_experts=4,
+                num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32, rotary_dim=4,
+                pad_token_id=0)
+_HF_SPECIAL = {
+    "GPTNeoXConfig": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0),
+    "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_kv_heads=2, new_decoder_architecture=True, pad_token_id=0),
+}
+
+
 def hf_arch(config_name: str):
-    """A tiny random-init HF causal LM of the given architecture (eval mode: no dropout)."""
+    """A tiny random-init HF causal LM of the given architecture (eval mode, dropout off): the config's
+    own defaults with the tiny sizes above wherever its constructor takes them."""
+    import inspect
+
     import transformers
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
-    special = {
-        "GPT2Config": dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64),
-        "OPTConfig": dict(vocab_size=97, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                          max_position_embeddings=64, word_embed_proj_dim=32),
-        "GPTNeoXConfig": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, max_position_embeddings=64),
-        "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             num_kv_heads=2, new_decoder_architecture=True),
-    }
-    kw = dict(special.get(config_name, kw), pad_token_id=0)
-    config = getattr(transformers, config_name)(**kw)
+    cls = getattr(transformers, config_name)
+    params = inspect.signature(cls.__init__).parameters
+    kw = _HF_SPECIAL.get(config_name) or {k: v for k, v in _HF_TINY.items() if k in params}
+    config = cls(**kw)
+    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, attr):
+            setattr(config, attr, 0.0)
     impl = "eager" if config_name == "Gemma2Config" else "sdpa"   # Gemma-2 has no SDPA path
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
 
@@ -205,3 +215,80 @@ def single_sequence_inputs():
     tokens, labels = torch.randint(0, 97, (1, 32), generator=g), torch.randint(0, 97, (1, 32), generator=g)
     labels[0, 5:11] = -100
     return tokens, labels
+
+
+class _InPlaceBase(torch.nn.Module):
+    """Embedding + causal self-attention + LM head, with hooks for in-place ops that Dynamo records
+    with unused results (what the passes must neither drop nor read around)."""
+    variant = ""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.pos = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.router = torch.nn.Linear(16, 4)
+        self.head = torch.nn.Linear(16, 97, bias=False)
+
+    def forward(self, ids, labels):
+        seq = ids.shape[1]
+        positions = torch.arange(seq)
+        if self.variant == "positions":
+            positions.add_(1)  # written after it is made: a shard of the old value would be wrong
+        h = self.emb(ids) + self.pos(positions)
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.variant == "mask":
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+            mask[seq // 2:, : seq // 4] = False  # no longer causal: must not be folded as if it were
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        if self.variant == "scatter":
+            # an MoE-style top-1 gate built with scatter_ (its result unused, as in Glm4Moe's router)
+            scores = self.router(h).sigmoid()
+            gate = torch.zeros_like(scores)
+            gate.scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+            h = h * (scores * gate).sum(-1, keepdim=True)
+        logits = self.head(h)
+        if self.variant == "logits":
+            logits.mul_(0.5)  # a temperature applied in place: the fused loss must not drop it
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+class InPlaceScatter(_InPlaceBase):
+    variant = "scatter"
+
+
+class InPlaceLogits(_InPlaceBase):
+    variant = "logits"
+
+
+class InPlaceMask(_InPlaceBase):
+    variant = "mask"
+
+
+class InPlacePositions(_InPlaceBase):
+    variant = "positions"
+
+
+class PositionwiseMinMax(torch.nn.Module):
+    """``ones_like``, binary ``torch.max``/``minimum``, ``max(dim=-1)`` and ``min(dim=-1)`` on the hidden
+    states (as in xIELU-style activations and MoE routers): position-wise, so shardable."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = torch.max(h, torch.ones_like(h) * -0.5) + torch.min(h, dim=-1, keepdim=True)[0]
+        h = h - h.max(-1).values.unsqueeze(-1) * 0.1
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))

@@ -12,16 +12,25 @@ transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 # architecture -> whether burstc shards it today (a regression test both ways)
-ARCHITECTURES = {
-    "LlamaConfig": True, "MistralConfig": True, "Qwen2Config": True, "Qwen3Config": True, "GemmaConfig": True,
-    "Phi3Config": True, "GPTNeoXConfig": True, "StableLmConfig": True, "OlmoConfig": True, "Olmo2Config": True,
-    "OPTConfig": True, "FalconConfig": True, "GPT2Config": True,
-    # the logits are scaled between the head and the loss (no LM-head fusion): sharded with a plain
-    # cross_entropy on each rank's rows
-    "CohereConfig": True, "GraniteConfig": True,
-    # refused today, with its reason: Gemma-2 (eager attention with soft-capped scores)
-    "Gemma2Config": False,
-}
+SHARDED = [
+    "LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "GemmaConfig", "Phi3Config", "GPTNeoXConfig",
+    "StableLmConfig", "OlmoConfig", "Olmo2Config", "Olmo3Config", "OPTConfig", "FalconConfig", "GPT2Config",
+    "PhiConfig", "Starcoder2Config", "GPTJConfig", "PersimmonConfig", "NemotronConfig", "ExaoneConfig",
+    "Exaone4Config", "GlmConfig", "Glm4Config", "SmolLM3Config", "HeliumConfig", "ArceeConfig", "Ernie4_5Config",
+    "SeedOssConfig", "CodeGenConfig", "BioGptConfig", "GPTBigCodeConfig", "Gemma3TextConfig",
+    "HunYuanDenseV1Config", "ApertusConfig", "Lfm2Config", "DiffLlamaConfig", "BitNetConfig", "MinistralConfig",
+    "Ministral3Config", "NanoChatConfig",
+    # logits scaled between the head and the loss (no LM-head fusion): a plain cross_entropy on each rank's rows
+    "CohereConfig", "Cohere2Config", "GraniteConfig",
+]
+REFUSED = [
+    "Gemma2Config",  # eager attention with soft-capped scores
+    # mixture-of-experts routing (top-k over experts, then data-dependent token dispatch)
+    "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "MiniMaxConfig",
+    "FlexOlmoConfig", "Glm4MoeConfig", "Llama4TextConfig",
+    "FalconH1Config", "Qwen3NextConfig",  # convolutions over the sequence (Mamba-style / linear attention)
+]
+ARCHITECTURES = {**{name: True for name in SHARDED}, **{name: False for name in REFUSED}}
 
 
 @pytest.fixture(scope="module")

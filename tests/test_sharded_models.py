@@ -204,3 +204,9 @@ def test_unfused_cross_entropy_over_a_batch_is_refused_and_still_exact(workers):
                                 disable_passes=("fuse_lm_head_loss",))
     reasons = [reason for kind, reason in results[0]["skipped"] if kind == "shard"]
     assert len(reasons) == 1 and "merges or splits the sequence dim" in reasons[0], reasons
+
+
+def test_positionwise_min_max_and_like_ops_are_sharded(workers):
+    results = assert_equivalent(zoo.PositionwiseMinMax, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager")
+    assert _shard_rewrites(results).count("attention") == 1

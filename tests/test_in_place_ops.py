@@ -1,0 +1,96 @@
+"""In-place ops in unmodified models: Dynamo records ``x.scatter_(...)``, ``x[i] = v``, ``x.mul_(c)`` with
+their results unused (later readers name ``x``). No pass may drop such a write or read ``x`` from before
+it: the result must equal eager, with the rewrite refused (and the reason reported) where needed."""
+import pytest
+import torch
+
+import burstc
+import model_zoo as zoo
+from burstc.passes.graph_utils import eliminate_dead_code, in_place_writes, is_mutating
+from burstc.testing import WorkerPool, assert_equivalent
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with WorkerPool() as pool:
+        yield pool
+
+
+def _skipped(results, kind):
+    return [reason for k, reason in results[0]["skipped"] if k == kind]
+
+
+def _rewrites(results):
+    return [k for k, _ in results[0]["rewrites"]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_unused_scatter_result_is_kept(workers, world_size):
+    # FX's own dead-code elimination drops `gate.scatter_(...)`: the fused loss then saw an all-zero gate
+    results = assert_equivalent(zoo.InPlaceScatter, zoo.single_sequence_inputs, zoo.call_with_loss,
+                                world_size=world_size, group=workers.get(world_size), backend="aot_eager",
+                                expect_sharded=False)
+    assert "lm_head_loss" in _rewrites(results)
+
+
+def test_logits_modified_in_place_are_not_fused(workers):
+    results = assert_equivalent(zoo.InPlaceLogits, zoo.single_sequence_inputs, zoo.call_with_loss,
+                                world_size=1, group=workers.get(1), backend="aot_eager", expect_sharded=False)
+    assert "lm_head_loss" not in _rewrites(results)
+    reasons = _skipped(results, "lm_head_loss")
+    assert len(reasons) == 1 and "modified in place" in reasons[0], reasons
+
+
+def test_mask_modified_in_place_is_not_folded_as_causal(workers):
+    # the tril mask is edited in place: folding it from its ancestors would call it causal
+    results = assert_equivalent(zoo.InPlaceMask, zoo.single_sequence_inputs, zoo.call_with_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
+    assert "shard" not in _rewrites(results) and "attention" not in _rewrites(results)
+    assert any("mask" in reason for reason in _skipped(results, "shard")), results[0]["skipped"]
+
+
+def test_positions_modified_in_place_are_not_sharded_stale(workers):
+    results = assert_equivalent(zoo.InPlacePositions, zoo.single_sequence_inputs, zoo.call_with_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
+    assert "shard" not in _rewrites(results)
+    reasons = _skipped(results, "shard")
+    assert len(reasons) == 1 and "modified in place" in reasons[0], reasons
+
+
+def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_in_place_ops_are_recognized():
+    def f(x, i):
+        y = x.clone()
+        y.scatter_(0, i, 1.0)
+        z = torch.zeros_like(x)
+        z[0] = 2.0
+        w = y.view(-1)
+        w.mul_(2.0)
+        torch.relu_(z)
+        return x + 1
+
+    gm = _dynamo_graph(f, torch.randn(4), torch.tensor([1]))
+    described = [n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
+                 for n in gm.graph.nodes if is_mutating(n)]
+    assert described == ["scatter_", "setitem", "mul_", "relu_"], described
+    writes = {op.target if op.op == "call_method" else op.target.__name__: aliases
+              for op, aliases in in_place_writes(gm.graph)}
+    clone = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "clone")
+    assert clone in writes["mul_"]  # a write through a view reaches its base
+    eliminate_dead_code(gm.graph)
+    assert sum(is_mutating(n) for n in gm.graph.nodes) == 4  # none dropped
+    gm.graph.eliminate_dead_code()  # FX's own drops the unused ones: the bug this guards against
+    assert sum(is_mutating(n) for n in gm.graph.nodes) < 4
