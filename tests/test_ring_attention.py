@@ -514,6 +514,24 @@ def test_reference_kernels_match_cpu_flash(causal, q_len, kv_len, heads_kv):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_reference_kernels_chunk_rows_within_the_score_budget(monkeypatch):
+    assert ra._reference_row_chunk(1, 32, 32768) == 64  # one [1, 32, 64, 32K] fp32 buffer = 256 MiB
+    assert ra._reference_row_chunk(8, 64, 2**20) == ra._REFERENCE_MIN_ROWS
+    # a budget of a few rows: many chunks (uneven last one) still give the unchunked result
+    q, k, v, grad_out = _local_inputs(torch.float32, heads_kv=2, q_len=50, kv_len=50)
+    out_flash, lse_flash = ra.block_attention_forward(q, k, v, True, 0.4)
+    grads_flash = ra.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, True, 0.4)
+    monkeypatch.setattr(ra, "_REFERENCE_SCORE_BUDGET_BYTES", 16 * q.shape[1] * 50 * 4)
+    assert ra._reference_row_chunk(q.shape[0], q.shape[1], 50) == 16
+    with ra.reference_block_kernels():
+        out_ref, lse_ref = ra.block_attention_forward(q, k, v, True, 0.4)
+        grads_ref = ra.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, True, 0.4)
+    torch.testing.assert_close(out_ref, out_flash, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_ref, lse_flash, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads_ref, grads_flash):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Clear errors
 

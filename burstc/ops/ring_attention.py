@@ -291,7 +291,15 @@ def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor) -> Tensor | None:
     return (grad_out * ratio).to(grad_out_BHSD.dtype)
 
 
-_REFERENCE_ROW_CHUNK = 1024  # query rows per chunk: bounds the score matrix to chunk x S_kv
+# The plain-torch block kernels hold a few [B, Hq, rows, S_kv] fp32 score-sized buffers per chunk of query
+# rows (scores, probabilities, their gradient): rows are chosen so one such buffer stays under this budget,
+# e.g. B=1, Hq=32, S_kv=32K -> 64 rows (256 MiB); never fewer than 16 rows.
+_REFERENCE_SCORE_BUDGET_BYTES = 256 * 2**20
+_REFERENCE_MIN_ROWS = 16
+
+
+def _reference_row_chunk(batch: int, heads: int, kv_len: int) -> int:
+    return max(_REFERENCE_MIN_ROWS, _REFERENCE_SCORE_BUDGET_BYTES // max(1, batch * heads * kv_len * 4))
 
 
 def _repeat_kv_heads(t_BHSD: Tensor, groups: int) -> Tensor:
@@ -309,8 +317,9 @@ def _reference_block_forward(q, k, v, causal, scale):
     acc = torch.promote_types(q.dtype, ACC_DTYPE)
     k32, v32 = _repeat_kv_heads(k, groups).to(acc), _repeat_kv_heads(v, groups).to(acc)
     outs, lses = [], []
-    for start in range(0, q.shape[2], _REFERENCE_ROW_CHUNK):
-        q32 = q[:, :, start:start + _REFERENCE_ROW_CHUNK].to(acc)
+    chunk = _reference_row_chunk(q.shape[0], q.shape[1], k.shape[2])
+    for start in range(0, q.shape[2], chunk):
+        q32 = q[:, :, start:start + chunk].to(acc)
         scores = (q32 @ k32.transpose(-1, -2)) * scale
         if causal:
             scores = scores.masked_fill(~_causal_mask(start, q32.shape[2], k.shape[2], q.device), float("-inf"))
@@ -329,8 +338,9 @@ def _reference_block_backward(grad_out, q, k, v, lse, delta, causal, scale):
     dq_chunks = []
     dk32 = torch.zeros(batch, heads_q, kv_len, head_dim, dtype=acc, device=q.device)
     dv32 = torch.zeros_like(dk32)
-    for start in range(0, q.shape[2], _REFERENCE_ROW_CHUNK):
-        rows = slice(start, start + _REFERENCE_ROW_CHUNK)
+    chunk = _reference_row_chunk(batch, heads_q, kv_len)
+    for start in range(0, q.shape[2], chunk):
+        rows = slice(start, start + chunk)
         q32, do32 = q[:, :, rows].to(acc), grad_out[:, :, rows].to(acc)
         scores = (q32 @ k32.transpose(-1, -2)) * scale
         if causal:
