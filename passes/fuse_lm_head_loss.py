@@ -173,6 +173,9 @@ def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
             matches.append(match)
         except _Refuse as refusal:
             context.skip(KIND, node, str(refusal))
+        except Exception as error:  # noqa: BLE001 - matching only reads the graph: skipping is always safe
+            context.skip(KIND, node, f"the fusion pass failed to match this loss ({type(error).__name__}: "
+                                     f"{error}) - please report this")
     return matches
 
 

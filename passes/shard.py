@@ -115,6 +115,7 @@ class _Analyzer:
         self.output_problem = None
         self.loss_derived = set()
         self.mutated = mutated_values(gm.graph)
+        self.current = None  # the node being analyzed (named if the analysis fails)
 
     # -- helpers -------------------------------------------------------------------------------
     def place(self, a):
@@ -508,6 +509,7 @@ class _Analyzer:
 
     def run(self):
         for node in self.gm.graph.nodes:
+            self.current = node
             if node.op == "placeholder" or node.op == "get_attr":
                 self.plan.placement[node] = R
             elif node.op in ("call_function", "call_method"):
@@ -734,6 +736,12 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         plan = analyzer.run()
     except _Refuse as refusal:
         context.skip(KIND, refusal.node, f"{refusal}; the whole graph runs unsharded (replicated on every rank)")
+        return gm
+    except Exception as error:  # noqa: BLE001 - the analysis only reads the graph: refusing is always safe
+        node = analyzer.current or "graph"
+        context.skip(KIND, node, f"the shard pass failed to analyze `{getattr(node, 'name', node)}` "
+                                 f"({type(error).__name__}: {error}); the whole graph runs unsharded "
+                                 "(replicated on every rank) - please report this")
         return gm
     if padded_len != seq_len and not all(sdpa_kwargs(n)["is_causal"] for n in plan.attention):
         # padding at the end is exact only when no real token can see a pad: causal attention

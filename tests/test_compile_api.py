@@ -133,3 +133,49 @@ def test_burstc_logs_dir_writes_graph_files(monkeypatch, tmp_path):
     cmodel(ids, ids).backward()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["graph0_backward.py", "graph0_captured.py", "graph0_forward.py", "graph0_rewritten.py"]
+
+
+def test_a_pass_that_fails_to_match_skips_with_the_error(monkeypatch):
+    # an unexpected error while matching is a refusal with the error in the report, not a crash
+    import burstc.passes.fuse_lm_head_loss as fuse
+
+    def broken(node):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(fuse, "_match_one", broken)
+    model = TinyLM()
+    cmodel = burstc.compile(model, backend="aot_eager")
+    ids = torch.randint(0, 37, (2, 5))
+    torch.testing.assert_close(cmodel(ids, ids), model(ids, ids))
+    rep = burstc.report(cmodel)
+    assert rep.rewrites == []
+    assert len(rep.skipped) == 1 and "failed to match" in rep.skipped[0].reason and "boom" in rep.skipped[0].reason
+
+
+def test_shard_analysis_error_is_a_refusal(monkeypatch):
+    import burstc.passes.shard as shard_pass
+    from burstc.config import BurstConfig
+    from burstc.passes import PassContext
+    from burstc.report import Report
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 37, (1, 8))
+    torch.compile(TinyLM(), backend=capture)(ids, ids)
+
+    def broken(self, node):
+        raise KeyError("no rule")
+
+    monkeypatch.setattr(shard_pass._Analyzer, "visit", broken)
+    config = BurstConfig()
+    context = PassContext(report=Report(config, world_size=2), graph_id=0, world_size=2)
+    before = graphs[0].code
+    out = shard_pass.shard(graphs[0], config=config, context=context)
+    assert out.code == before  # untouched: runs unsharded
+    (skip,) = context.report.skipped
+    assert "failed to analyze" in skip.reason and "KeyError" in skip.reason and "unsharded" in skip.reason
