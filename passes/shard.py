@@ -76,6 +76,15 @@ class _Refuse(Exception):
         self.node = node
 
 
+@dataclass(frozen=True)
+class Merged:
+    """Placement of a dim that flattens (batch dims..., sequence) row-major, the sequence innermost (e.g.
+    HF's ``logits.view(-1, V)`` or GPT-2's ``x.view(-1, H)`` at batch > 1): ``outer`` batch rows of this
+    rank's tokens each, i.e. local extent ``outer * s`` in (batch, local token) order."""
+    dim: int
+    outer: int
+
+
 @dataclass
 class _Plan:
     placement: dict = field(default_factory=dict)        # node -> dim | None | list (tuples)
@@ -83,6 +92,7 @@ class _Plan:
     new_args: dict = field(default_factory=dict)         # node -> (args, kwargs)
     attention: list = field(default_factory=list)        # SDPA nodes to become ring attention
     losses: list = field(default_factory=list)           # fused loss nodes and plain cross_entropy nodes
+    merged_rows: dict = field(default_factory=dict)      # plain cross_entropy node -> batch rows merged in
     outputs_to_gather: list = field(default_factory=list)
 
 
@@ -179,11 +189,32 @@ class _Analyzer:
         for j in range(len(out_shape)):
             if out_shape[j] == self.S and prod(out_shape[:j]) == prefix:
                 return j
+        # batch dims merged into the sequence dim, the sequence innermost: [B, S, H] -> [B * S, H]
+        for k in range(d):
+            outer = prod(in_shape[k:d])
+            for j in range(len(out_shape)):
+                if outer > 1 and out_shape[j] == outer * self.S and prod(out_shape[:j]) == prod(in_shape[:k]):
+                    return Merged(j, outer)
         self.refuse(node, f"`{op_name(node)}` merges or splits the sequence dim ({in_shape} -> {out_shape})")
+
+    def reshape_merged(self, node, x, out_val, m: Merged):
+        """A reshape of a merged value: back to separate (batch..., sequence) dims, or still merged."""
+        in_shape, out_shape = list(val(x).shape), list(out_val.shape)
+        prefix = prod(in_shape[:m.dim])
+        for j in range(len(out_shape)):
+            if out_shape[j] == self.S and prod(out_shape[:j]) == prefix * m.outer and any(
+                    prod(out_shape[:k]) == prefix and prod(out_shape[k:j]) == m.outer for k in range(j + 1)):
+                return j
+            if out_shape[j] == m.outer * self.S and prod(out_shape[:j]) == prefix:
+                return Merged(j, m.outer)
+        self.refuse(node, f"`{op_name(node)}` reshapes merged batch and sequence dims ({in_shape} -> {out_shape})")
 
     def local_shape(self, out_val, dim):
         shape = list(out_val.shape)
-        shape[dim] = self.s
+        if isinstance(dim, Merged):
+            shape[dim.dim] = dim.outer * self.s
+        else:
+            shape[dim] = self.s
         return shape
 
     def index_dims(self, node, x, index):
@@ -229,6 +260,8 @@ class _Analyzer:
 
         if node.op == "call_function" and getattr(target, "__name__", "") in _NO_TENSOR_SIDE_EFFECT:
             return R
+        if any(isinstance(self.place(a), Merged) for a in ins):
+            return self.visit_merged(node, ins)
         if sharded_ins and is_mutating(node):
             written = args[0] if args else None
             if not isinstance(written, fx.Node) or self.place(written) is R:
@@ -464,6 +497,65 @@ class _Analyzer:
         self.plan.losses.append(node)
         return R  # the all-reduce inserted after it makes the loss replicated
 
+    def visit_merged(self, node, ins):
+        """The few ops that run on merged (batch, sequence) rows: position-wise ones, and reshapes back."""
+        v, args, kwargs, target = val(node), node.args, node.kwargs, node.target
+        x = args[0] if args else None
+        m = self.place(x)
+        if is_function(node, F.cross_entropy):
+            return self.visit_cross_entropy(node)
+        if is_function(node, torch.addmm):  # GPT-2's Conv1D: addmm(bias, x.view(-1, H), weight)
+            rows = self.place(args[1])
+            if not isinstance(rows, Merged) or rows.dim != 0 or self.place(args[0]) is not R \
+                    or self.place(args[2]) is not R:
+                self.refuse(node, "addmm with merged batch and sequence rows outside its first matrix's rows")
+            return rows
+        if not isinstance(m, Merged):
+            self.refuse(node, f"`{op_name(node)}` with merged batch and sequence rows in a later operand")
+        if (node.op == "call_function" and target in _POINTWISE_FUNCTIONS) or \
+                (node.op == "call_method" and target in _POINTWISE_METHODS):
+            if node.op == "call_method" and target in _UNARY_FIRST_ARG_METHODS:
+                return m
+            out_dims = set()
+            for a in ins:
+                p, k = self.place(a), val(a).dim()
+                if isinstance(p, Merged):
+                    out_dims.add(Merged(v.dim() - k + p.dim, p.outer))
+                elif p is not R:
+                    self.refuse(node, "operands sharded with and without merged batch rows")
+            if len(out_dims) != 1:
+                self.refuse(node, "operands with differently merged batch and sequence rows")
+            out = out_dims.pop()
+            for a in ins:
+                if self.place(a) is R:
+                    aligned = out.dim - (v.dim() - val(a).dim())
+                    if 0 <= aligned < val(a).dim() and val(a).shape[aligned] != 1:
+                        self.refuse(node, f"replicated operand `{a.name}` spans merged batch and sequence rows")
+            return out
+        last = val(x).dim() - 1
+        if is_function(node, F.dropout):
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if training and p > 0:
+                self.refuse(node, "dropout > 0 in training (random masks can't match one device)")
+            return m
+        if is_function(node, F.linear, torch._C._nn.linear):
+            if m.dim == last:
+                self.refuse(node, "linear over the merged batch and sequence dim")
+            return m
+        if node.op == "call_function" and getattr(target, "__name__", "") in ("layer_norm", "rms_norm"):
+            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+            if m.dim >= val(x).dim() - (len(shape) if isinstance(shape, (list, tuple)) else 1):
+                self.refuse(node, "normalization over the merged batch and sequence dim")
+            return m
+        if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
+            if any(isinstance(a, fx.Node) for a in args[1:]):
+                self.refuse(node, "dynamic reshape of a sharded value")
+            out_dim = self.reshape_merged(node, x, v, m)
+            self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
+            return out_dim
+        self.refuse(node, f"`{op_name(node)}` on merged batch and sequence rows is not supported by the shard pass")
+
     def visit_min_max(self, node, x, d):
         """``min/max(a, b)``: pointwise; ``min/max(x, dim)``: (values, indices) reduced over ``dim``."""
         args, kwargs = node.args, node.kwargs
@@ -497,13 +589,16 @@ class _Analyzer:
         if not isinstance(kw.get("ignore_index", -100), int):
             self.refuse(node, "cross_entropy ignore_index is not a constant")
         logits_val, target_val = val(logits), val(target)
-        if logits_val.dim() != 2 or self.place(logits) != 0:
+        placement = self.place(logits)
+        rows = placement.outer if isinstance(placement, Merged) and placement.dim == 0 else 1 if placement == 0 else None
+        if logits_val.dim() != 2 or rows is None:
             self.refuse(node, "cross_entropy on sharded logits that are not [tokens, classes] with the "
-                              "tokens sharded (batch > 1 flattened with the sequence?)")
+                              "tokens sharded")
         if self.place(target) is not R:
             self.refuse(node, "cross_entropy targets are already sharded")
-        if target_val.dim() != 1 or target_val.shape[0] != self.S or target_val.dtype.is_floating_point:
-            self.refuse(node, "cross_entropy targets are not class indices, one per token of the sequence")
+        if target_val.dim() != 1 or target_val.shape[0] != rows * self.S or target_val.dtype.is_floating_point:
+            self.refuse(node, "cross_entropy targets are not class indices, one per token of the batch")
+        self.plan.merged_rows[node] = rows
         self.plan.losses.append(node)
         return R  # the per-token losses are gathered: the loss is replicated
 
@@ -544,7 +639,10 @@ class _Analyzer:
             if not isinstance(out, fx.Node):
                 continue
             p = self.place(out)
-            if isinstance(p, int):
+            if isinstance(p, Merged):
+                self.output_problem = (out, f"output `{out.name}` has merged batch and sequence rows "
+                                            "(not gathered yet)")
+            elif isinstance(p, int):
                 self.plan.outputs_to_gather.append((i, out))
             elif isinstance(val(out), torch.Tensor) and val(out).requires_grad and not self._depends_on_loss(out):
                 self.output_problem = (out, f"output `{out.name}` is computed by replicated ops only from "
@@ -619,7 +717,8 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
 
     for node in plan.losses:
         if is_function(node, F.cross_entropy):
-            _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S)
+            _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S, plan.merged_rows[node],
+                                 analyzer.s)
             continue
         hidden, weight, target = node.args[:3]
         d = analyzer.place(hidden)
@@ -675,7 +774,7 @@ def cross_entropy_kwargs(node: fx.Node) -> dict | None:
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
-                         seq_len: int) -> None:
+                         seq_len: int, rows: int, local_len: int) -> None:
     """``cross_entropy(logits_local, targets)`` -> per-token losses of the local rows (this rank's targets,
     padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call asked.
 
@@ -689,13 +788,18 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     ignore_index = kw.get("ignore_index", -100)
     reduction = kw.get("reduction", "mean")
     with graph.inserting_before(node):
+        # [rows * S] targets -> [rows, S] -> this rank's [rows, s] -> [rows * s], the logits' local row order
+        target_rows = graph.call_method("view", (target, (rows, seq_len)))
         target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                           (target, 0, group_name, layout, padded_len, float(ignore_index)))
+                                           (target_rows, 1, group_name, layout, padded_len, float(ignore_index)))
+        target_local = graph.call_method("reshape", (target_local, (-1,)))
         per_token_local = graph.call_function(F.cross_entropy, (kw["input"], target_local), {
             "ignore_index": ignore_index, "reduction": "none",
             "label_smoothing": kw.get("label_smoothing", 0.0)})
+        per_token_rows = graph.call_method("view", (per_token_local, (rows, local_len)))
         per_token = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                        (per_token_local, 0, group_name, layout, seq_len))
+                                        (per_token_rows, 1, group_name, layout, seq_len))
+        per_token = graph.call_method("reshape", (per_token, (-1,)))
         if reduction == "none":
             loss = per_token
         else:

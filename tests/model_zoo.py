@@ -30,6 +30,11 @@ def titan_inputs_odd_length():
     return torch.randint(0, 97, (1, 30), generator=g), torch.randint(0, 97, (1, 30), generator=g)
 
 
+def titan_inputs_odd_length_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 97, (3, 30), generator=g), torch.randint(0, 97, (3, 30), generator=g)
+
+
 def call_with_loss(model, inputs):
     return model(*inputs)
 
@@ -159,6 +164,11 @@ def hf_arch(config_name: str):
 def hf_arch_inputs():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 97, (1, 32), generator=g)
+
+
+def hf_arch_batch_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 97, (2, 32), generator=g)
 
 
 class Regularized(torch.nn.Module):

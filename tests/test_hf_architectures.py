@@ -52,3 +52,12 @@ def test_architecture_is_exact_or_refused(workers, config_name):
     else:
         assert "shard" not in kinds
         assert any(kind == "shard" for kind, _ in results[0]["skipped"]) or not kinds
+
+
+@pytest.mark.parametrize("config_name", ["GPT2Config", "OPTConfig", "CohereConfig", "GraniteConfig", "LlamaConfig"])
+def test_batch_of_two_is_sharded(workers, config_name):
+    # these flatten batch and sequence together (GPT-2's Conv1D, OPT's MLP, the unfused loss of scaled logits)
+    results = assert_equivalent(functools.partial(zoo.hf_arch, config_name), zoo.hf_arch_batch_inputs,
+                                zoo.hf_loss_no_cache, world_size=2, group=workers.get(2), backend="aot_eager",
+                                timeout=300)
+    assert "shard" in [k for k, _ in results[0]["rewrites"]]

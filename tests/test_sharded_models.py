@@ -197,13 +197,19 @@ def test_per_token_losses_are_gathered(workers, fused):
     assert kinds.count("lm_head_loss") == (1 if fused else 0) and kinds.count("shard") == 1
 
 
-def test_unfused_cross_entropy_over_a_batch_is_refused_and_still_exact(workers):
-    # B = 2 flattened with the sequence: the local rows are not one slice of the flattened tokens
-    results = assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
-                                group=workers.get(2), backend="aot_eager", expect_sharded=False,
-                                disable_passes=("fuse_lm_head_loss",))
-    reasons = [reason for kind, reason in results[0]["skipped"] if kind == "shard"]
-    assert len(reasons) == 1 and "merges or splits the sequence dim" in reasons[0], reasons
+def test_unfused_cross_entropy_over_a_batch_is_sharded(workers):
+    # B = 2 flattened with the sequence (torchtitan's flatten(0, 1)): merged (batch, token) rows
+    for world_size in (2, 4):
+        results = assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=world_size,
+                                    group=workers.get(world_size), backend="aot_eager",
+                                    disable_passes=("fuse_lm_head_loss",))
+        assert _shard_rewrites(results).count("attention") == 2
+
+
+def test_merged_batch_and_sequence_rows_with_padding(workers):
+    # 30 tokens on 4 zigzag ranks: padded to 32; the merged rows carry the pads, their targets ignored
+    assert_equivalent(zoo.titan_llama, zoo.titan_inputs_odd_length_batch, zoo.call_with_loss, world_size=4,
+                      group=workers.get(4), backend="aot_eager", disable_passes=("fuse_lm_head_loss",))
 
 
 def test_positionwise_min_max_and_like_ops_are_sharded(workers):
