@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.fx.operator_schemas import normalize_function
 
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.passes import module_path
 from burstc.passes.graph_utils import const_number as _const
 from burstc.passes.graph_utils import eliminate_dead_code
 from burstc.passes.graph_utils import in_place_writes as _in_place_writes
+from burstc.passes.graph_utils import normalized_kwargs as _normalized_kwargs
 from burstc.passes.graph_utils import fake_mode_of as _fake_mode
 from burstc.passes.graph_utils import is_function as _is_function
 from burstc.passes.graph_utils import is_method as _is_method
@@ -194,11 +194,9 @@ def _check_no_lost_writes(match: LMHeadLossMatch, writes, position) -> None:
 
 
 def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
-    normalized = normalize_function(loss_node.target, loss_node.args, loss_node.kwargs,
-                                    normalize_to_only_use_kwargs=True)
-    if normalized is None:
+    kw = _normalized_kwargs(loss_node)
+    if kw is None:
         raise _Refuse("could not normalize the cross_entropy call")
-    kw = normalized.kwargs
     if kw.get("weight") is not None:
         raise _Refuse("cross_entropy with class weights is not fused (not reproduced exactly)")
     if kw.get("size_average") is not None or kw.get("reduce") is not None:

@@ -212,6 +212,14 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
     return env[node]
 
 
+def normalized_kwargs(node: fx.Node) -> dict | None:
+    """The call's arguments as keywords (``torch.fx``'s signature normalization), or None if it can't."""
+    from torch.fx.operator_schemas import normalize_function
+
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return None if normalized is None else dict(normalized.kwargs)
+
+
 def const_number(x):
     return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
@@ -222,5 +230,5 @@ def prod(xs) -> int:
 
 __all__ = ["val", "fake_mode_of", "set_meta", "is_function", "is_method", "op_name", "placeholder_kind",
            "placeholder_example", "ancestors", "evaluate_constant", "NotConstant", "const_number", "prod",
-           "is_mutating", "in_place_writes", "mutated_values", "eliminate_dead_code",
+           "is_mutating", "in_place_writes", "mutated_values", "eliminate_dead_code", "normalized_kwargs",
            "operator"]

@@ -38,7 +38,7 @@ from burstc.passes import module_path
 from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
 from burstc.passes.detect_attention import SDPA, sdpa_kwargs
 from burstc.passes.graph_utils import const_number, eliminate_dead_code, fake_mode_of, is_function, is_method, \
-    is_mutating, mutated_values, op_name, placeholder_kind, prod, val
+    is_mutating, mutated_values, normalized_kwargs, op_name, placeholder_kind, prod, val
 
 KIND = "shard"
 R = None  # replicated placement
@@ -54,7 +54,7 @@ _POINTWISE_FUNCTIONS = {
     torch.expm1, torch.log1p, torch.polar, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.erfc,
     torch.atan, torch.atan2, torch.log2, torch.exp2, torch.sinh, torch.cosh, torch.logical_not, torch.logical_and,
     torch.logical_or, torch.isnan, torch.isinf, torch.nan_to_num, torch.lerp, torch.addcmul, torch.addcdiv,
-    torch.clip, torch.fmod, torch.remainder, torch.true_divide, torch.minimum, torch.maximum,
+    torch.clip, torch.fmod, torch.remainder, torch.true_divide,
     F.hardtanh, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.logsigmoid, F.softsign, F.relu6,
 }
 _POINTWISE_METHODS = {
@@ -62,7 +62,7 @@ _POINTWISE_METHODS = {
     "exp", "log", "pow", "neg", "sigmoid", "tanh", "rsqrt", "sqrt", "masked_fill", "add", "mul", "sub", "div",
     "abs", "clamp", "relu", "square", "reciprocal", "__mul__", "__add__", "__sub__", "__truediv__", "float_power",
     "expm1", "log1p", "sign", "floor", "ceil", "round", "trunc", "erf", "clip", "lerp", "addcmul", "nan_to_num",
-    "logical_not", "isnan", "where", "tanh", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
+    "logical_not", "isnan", "where", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
     "__rtruediv__",
 }
 _UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
@@ -163,24 +163,51 @@ class _Analyzer:
 
     # -- op rules --------------------------------------------------------------------------------
     def pointwise(self, node, operands):
-        out = val(node)
-        n = out.dim()
-        out_dims = {n - val(a).dim() + self.place(a) for a in operands if self.place(a) is not R}
-        if not out_dims:
+        n = val(node).dim()
+        placements = set()
+        for a in operands:
+            p, shift = self.place(a), n - val(a).dim()
+            if p is not R:
+                placements.add(Merged(p.dim + shift, p.outer) if isinstance(p, Merged) else p + shift)
+        if not placements:
             return R
-        if len(out_dims) > 1:
+        if len(placements) > 1:
             self.refuse(node, "operands sharded along different dims")
-        out_dim = out_dims.pop()
+        out = placements.pop()
+        out_dim = out.dim if isinstance(out, Merged) else out
         for a in operands:
             if self.place(a) is not R:
                 continue
             k = val(a).dim()
             aligned = out_dim - (n - k)
-            if 0 <= aligned < k and val(a).shape[aligned] == self.S:
+            if 0 <= aligned < k and val(a).shape[aligned] == self.S and not isinstance(out, Merged):
                 self.shard_input(node, a, aligned)
             elif 0 <= aligned < k and val(a).shape[aligned] != 1:
                 self.refuse(node, f"replicated operand `{a.name}` does not line up with the sequence")
-        return out_dim
+        return out
+
+    def positionwise(self, node, x, placement):
+        """Dropout, linear and norms, which act on each token alone: ``placement`` (sharded along an int dim
+        or as merged rows) passes through when the op leaves the sequence dim alone; None if not one of them."""
+        args, kwargs = node.args, node.kwargs
+        seq_dim = placement.dim if isinstance(placement, Merged) else placement
+        if is_function(node, F.dropout):
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            if training and p > 0:
+                self.refuse(node, "dropout > 0 in training (random masks can't match one device)")
+            return placement
+        if is_function(node, F.linear, torch._C._nn.linear):
+            if seq_dim == val(x).dim() - 1:
+                self.refuse(node, "linear over the sequence dim")
+            return placement
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in ("layer_norm", "rms_norm"):
+            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+            n_norm = len(shape) if isinstance(shape, (list, tuple)) else 1
+            if seq_dim >= val(x).dim() - n_norm:
+                self.refuse(node, "normalization over the sequence dim")
+            return placement
+        return None
 
     def reshape_dim(self, node, x, out_val):
         d = self.place(x)
@@ -315,22 +342,9 @@ class _Analyzer:
             return d  # a fresh tensor shaped like this rank's tokens
         if is_function(node, torch.min, torch.max) or is_method(node, "min", "max"):
             return self.visit_min_max(node, x, d)
-        if is_function(node, F.dropout):
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            if training and p > 0:
-                self.refuse(node, "dropout > 0 in training (random masks can't match one device)")
-            return d
-        if is_function(node, F.linear, torch._C._nn.linear):
-            if d == val(x).dim() - 1:
-                self.refuse(node, "linear over the sequence dim")
-            return d
-        if node.op == "call_function" and getattr(target, "__name__", "") in ("layer_norm", "rms_norm"):
-            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
-            n_norm = len(shape) if isinstance(shape, (list, tuple)) else 1
-            if d >= val(x).dim() - n_norm:
-                self.refuse(node, "normalization over the sequence dim")
-            return d
+        out = self.positionwise(node, x, d)
+        if out is not None:
+            return out
         if is_function(node, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
                 is_method(node, "softmax", "log_softmax"):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -499,7 +513,7 @@ class _Analyzer:
 
     def visit_merged(self, node, ins):
         """The few ops that run on merged (batch, sequence) rows: position-wise ones, and reshapes back."""
-        v, args, kwargs, target = val(node), node.args, node.kwargs, node.target
+        v, args, target = val(node), node.args, node.target
         x = args[0] if args else None
         m = self.place(x)
         if is_function(node, F.cross_entropy):
@@ -516,38 +530,10 @@ class _Analyzer:
                 (node.op == "call_method" and target in _POINTWISE_METHODS):
             if node.op == "call_method" and target in _UNARY_FIRST_ARG_METHODS:
                 return m
-            out_dims = set()
-            for a in ins:
-                p, k = self.place(a), val(a).dim()
-                if isinstance(p, Merged):
-                    out_dims.add(Merged(v.dim() - k + p.dim, p.outer))
-                elif p is not R:
-                    self.refuse(node, "operands sharded with and without merged batch rows")
-            if len(out_dims) != 1:
-                self.refuse(node, "operands with differently merged batch and sequence rows")
-            out = out_dims.pop()
-            for a in ins:
-                if self.place(a) is R:
-                    aligned = out.dim - (v.dim() - val(a).dim())
-                    if 0 <= aligned < val(a).dim() and val(a).shape[aligned] != 1:
-                        self.refuse(node, f"replicated operand `{a.name}` spans merged batch and sequence rows")
+            return self.pointwise(node, ins)
+        out = self.positionwise(node, x, m)
+        if out is not None:
             return out
-        last = val(x).dim() - 1
-        if is_function(node, F.dropout):
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            if training and p > 0:
-                self.refuse(node, "dropout > 0 in training (random masks can't match one device)")
-            return m
-        if is_function(node, F.linear, torch._C._nn.linear):
-            if m.dim == last:
-                self.refuse(node, "linear over the merged batch and sequence dim")
-            return m
-        if node.op == "call_function" and getattr(target, "__name__", "") in ("layer_norm", "rms_norm"):
-            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
-            if m.dim >= val(x).dim() - (len(shape) if isinstance(shape, (list, tuple)) else 1):
-                self.refuse(node, "normalization over the merged batch and sequence dim")
-            return m
         if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
             if any(isinstance(a, fx.Node) for a in args[1:]):
                 self.refuse(node, "dynamic reshape of a sharded value")
@@ -576,7 +562,7 @@ class _Analyzer:
         """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
         between the head and the loss, or the fusion switched off): per-token losses on the local rows,
         gathered, then the requested reduction on the full, replicated vector (see :func:`_apply`)."""
-        kw = cross_entropy_kwargs(node)
+        kw = normalized_kwargs(node)
         if kw is None:
             self.refuse(node, "could not normalize the cross_entropy call on sharded logits")
         logits, target = kw["input"], kw["target"]
@@ -766,13 +752,6 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
     return gathered
 
 
-def cross_entropy_kwargs(node: fx.Node) -> dict | None:
-    from torch.fx.operator_schemas import normalize_function
-
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    return None if normalized is None else dict(normalized.kwargs)
-
-
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
                          seq_len: int, rows: int, local_len: int) -> None:
     """``cross_entropy(logits_local, targets)`` -> per-token losses of the local rows (this rank's targets,
@@ -783,7 +762,7 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     The mean divides by the count of non-ignored targets, as ``F.cross_entropy`` does (all ignored:
     0 / 0 = nan, like eager).  The gathered vector is S floats: negligible next to the logits.
     """
-    kw = cross_entropy_kwargs(node)
+    kw = normalized_kwargs(node)
     target = kw["target"]
     ignore_index = kw.get("ignore_index", -100)
     reduction = kw.get("reduction", "mean")
