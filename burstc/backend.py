@@ -1,13 +1,17 @@
 """The torch.compile backend: Dynamo graph -> burstc passes -> AOTAutograd + Inductor (or aot_eager)."""
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import torch
 import torch.fx as fx
 
 from burstc._logging import dump_graph, log_event
 from burstc.config import BurstConfig
 from burstc.passes import PassContext, apply_passes
-from burstc.report import Report
+from burstc.passes.assume_unpadded import GUARD_META
+from burstc.report import Report, SkipRecord
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
@@ -67,13 +71,69 @@ class BurstBackend:
         record = self.report.new_graph()
         record.graphs["captured"] = snapshot(gm)
         dump_graph("captured", record.graph_id, gm)
+        gm = self._rewrite(gm, example_inputs, record, self.config)
+        guarded = tuple(gm.meta.get(GUARD_META, ()))
+        if guarded and not self._sharded(record.graph_id):
+            # the all-ones specialization bought nothing (the shard pass refused for another reason):
+            # redo the passes without it, so that no call pays for the check or a second compile, and
+            # keep that other reason, the one that matters to the user
+            refusals = [s for s in self.report.skipped if s.graph_id == record.graph_id and s.kind == "shard"]
+            gm = self._rewrite(snapshot(record.graphs["captured"]), example_inputs, record,
+                               self._without_specialization(), replace=True)
+            for refusal in refusals:
+                self.report.skipped.append(dataclasses.replace(
+                    refusal, reason=f"even with the attention-mask input assumed all ones: {refusal.reason}"))
+            guarded = ()
+        compiled = self._finish(gm, example_inputs, record)
+        if not guarded:
+            return compiled
+        fallback = []
+
+        def run(*args):
+            if all(bool(args[i].all()) for i in guarded):
+                return compiled(*args)
+            if not fallback:
+                fallback.append(self._compile_fallback(record, args, guarded))
+            return fallback[0](*args)
+
+        return run
+
+    def _rewrite(self, gm, example_inputs, record, config, replace: bool = False):
+        """The passes on ``gm``; ``replace`` drops what an earlier run on this graph recorded."""
+        if replace:
+            self.report.forget_graph(record.graph_id)
         context = PassContext(report=self.report, graph_id=record.graph_id, world_size=self.world_size,
                               mesh=self.mesh, example_inputs=list(example_inputs))
-        gm = apply_passes(gm, config=self.config, context=context)
+        gm = apply_passes(gm, config=config, context=context)
         record.graphs["rewritten"] = snapshot(gm)
         dump_graph("rewritten", record.graph_id, gm)
         record.dropped_outputs = tuple(gm.meta.get("burstc_dropped_outputs", ()))
+        return gm
 
+    def _sharded(self, graph_id: int) -> bool:
+        return any(r.kind == "shard" and r.graph_id == graph_id for r in self.report.rewrites)
+
+    def _without_specialization(self) -> BurstConfig:
+        return dataclasses.replace(self.config, disable_passes=self.config.disable_passes + ("assume_unpadded",))
+
+    def _compile_fallback(self, record, args, guarded):
+        """The graph without the all-ones assumption (so unsharded), compiled on the first call whose
+        guarded inputs are not all ones; it gets its own graph record in the report."""
+        placeholders = [n for n in record.graphs["captured"].graph.nodes if n.op == "placeholder"]
+        names = ", ".join(f"`{placeholders[i].name}`" for i in guarded)
+        message = (f"input {names} was not all ones (a padded batch): the calls with such inputs run graph "
+                   f"{len(self.report.graph_records)}, compiled without the assumption (unsharded, replicated)")
+        self.report.skipped.append(SkipRecord("unpadded_mask", names, "", message, record.graph_id, "backend"))
+        log_event("rewrites", "graph %d: %s", record.graph_id, message)
+        warnings.warn(f"burstc: {message}", stacklevel=2)
+        fallback_record = self.report.new_graph()
+        fallback_record.graphs["captured"] = record.graphs["captured"]
+        gm = self._rewrite(snapshot(record.graphs["captured"]), args, fallback_record,
+                           self._without_specialization())
+        return self._finish(gm, args, fallback_record)
+
+    def _finish(self, gm, example_inputs, record):
+        """Lower ``gm``; wrap it to check the inputs and put back the outputs the passes dropped."""
         compiled = self._lower(gm, example_inputs, record)
         dropped = record.dropped_outputs
         check_positions = self._token_input_positions(gm) if self._checks_inputs() else []

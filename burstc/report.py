@@ -83,6 +83,12 @@ class Report:
         self.graph_records.append(record)
         return record
 
+    def forget_graph(self, graph_id: int) -> None:
+        """Drop what the passes recorded for ``graph_id`` (the backend reruns them on it)."""
+        self.rewrites = [r for r in self.rewrites if r.graph_id != graph_id]
+        self.skipped = [s for s in self.skipped if s.graph_id != graph_id]
+        self.passes = [p for p in self.passes if p.graph_id != graph_id]
+
     @property
     def compiled(self) -> bool:
         return bool(self.graph_records)

@@ -15,9 +15,10 @@ from burstc._logging import log_event
 from burstc.report import PassRun, Report, RewriteRecord, SkipRecord
 
 # Order matters: the LM-head fusion matches the unsharded loss; shard then lowers the fused op's
-# normalizer to the global token count; detect_attention puts attention in the SDPA normal form
-# that shard lowers to ring attention.
-PASS_ORDER: tuple[str, ...] = ("fuse_lm_head_loss", "detect_attention", "shard")
+# normalizer to the global token count; assume_unpadded turns masks built from an all-ones
+# attention_mask input into constants (behind a runtime check) that detect_attention folds;
+# detect_attention puts attention in the SDPA normal form that shard lowers to ring attention.
+PASS_ORDER: tuple[str, ...] = ("fuse_lm_head_loss", "assume_unpadded", "detect_attention", "shard")
 
 
 def module_path(node: fx.Node) -> str:
@@ -73,11 +74,13 @@ class PassContext:
 
 
 def _registry() -> dict[str, Callable]:
+    from burstc.passes.assume_unpadded import assume_unpadded
     from burstc.passes.detect_attention import detect_attention
     from burstc.passes.fuse_lm_head_loss import fuse_lm_head_loss
     from burstc.passes.shard import shard
 
-    passes = {"fuse_lm_head_loss": fuse_lm_head_loss, "detect_attention": detect_attention, "shard": shard}
+    passes = {"fuse_lm_head_loss": fuse_lm_head_loss, "assume_unpadded": assume_unpadded,
+              "detect_attention": detect_attention, "shard": shard}
     assert tuple(passes) == PASS_ORDER
     return passes
 

@@ -23,6 +23,7 @@ After::
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -66,7 +67,7 @@ def _visible_from_sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > float("-inf")
 
 
-def _classify_node(gm, mask_node, to_visible, consumer) -> tuple[str, str]:
+def classify_mask(gm, mask_node, to_visible, consumer) -> tuple[str, str]:
     """-> (kind, reason): kind in causal/full/other/unknown, for the mask as ``consumer`` reads it."""
     try:
         mask = evaluate_constant(gm, mask_node, at=consumer)
@@ -159,7 +160,7 @@ def _canonicalize_sdpa(gm, node, context):
     if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
             and not val(mask).is_floating_point():
         return
-    kind, reason = _classify_node(gm, mask, _visible_from_sdpa_mask, node)
+    kind, reason = classify_mask(gm, mask, _visible_from_sdpa_mask, node)
     if kind in ("causal", "full"):
         node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
         node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
@@ -225,6 +226,36 @@ def _match_manual(gm, out_node):
     return dict(q=q, k=k, v=v, scale=scale, mask=mask, softmax=probs)
 
 
+def _manual_mask(gm, out_node, match):
+    """-> (reader, mask_node, to_visible) for a matched manual attention with a mask."""
+    style, mask_node = match["mask"]
+    to_visible = _visible_from_filled if style == "masked_fill" else _visible_from_sdpa_mask
+    on_path = set(ancestors(out_node))
+    reader = next((n for n in gm.graph.nodes if n in mask_node.users and n in on_path), out_node)
+    return reader, mask_node, to_visible
+
+
+def _visible_from_filled(mask: torch.Tensor) -> torch.Tensor:
+    return ~mask.to(torch.bool)
+
+
+def attention_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, Callable]]:
+    """``(reader, mask_node, to_visible)`` for every mask an attention reads: SDPA's ``attn_mask``
+    and the manual pattern's additive or ``masked_fill`` mask.  ``to_visible(value)`` maps the
+    mask's value to a bool tensor, True where a query may attend to a key."""
+    found = []
+    for node in gm.graph.nodes:
+        if is_function(node, SDPA):
+            kwargs = sdpa_kwargs(node)
+            if isinstance(kwargs["attn_mask"], fx.Node) and not kwargs["is_causal"]:
+                found.append((node, kwargs["attn_mask"], _visible_from_sdpa_mask))
+            continue
+        match = _match_manual(gm, node)
+        if match is not None and match["mask"] is not None:
+            found.append(_manual_mask(gm, node, match))
+    return found
+
+
 def _dropout_active(node):
     p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
     training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
@@ -250,11 +281,8 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             continue
         is_causal = False
         if match["mask"] is not None:
-            style, mask_node = match["mask"]
-            to_visible = (lambda m: ~m.to(torch.bool)) if style == "masked_fill" else _visible_from_sdpa_mask
-            on_path = set(ancestors(node))
-            reader = next((n for n in gm.graph.nodes if n in mask_node.users and n in on_path), node)
-            kind, reason = _classify_node(gm, mask_node, to_visible, reader)
+            reader, mask_node, to_visible = _manual_mask(gm, node, match)
+            kind, reason = classify_mask(gm, mask_node, to_visible, reader)
             if kind not in ("causal", "full"):
                 context.skip(KIND, node, f"manual attention with a {reason or kind + ' mask'}")
                 continue

@@ -302,3 +302,26 @@ class PositionwiseMinMax(torch.nn.Module):
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
         return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
+
+
+def hf_loss_with_attention_mask(model, ids):
+    """As HF's Trainer calls a model on an unpadded batch: the tokenizer's all-ones attention_mask."""
+    return model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids), use_cache=False).loss
+
+
+def hf_loss_with_padding(model, ids):
+    """A padded batch: the second sequence's last 12 tokens are padding."""
+    mask = torch.ones_like(ids)
+    mask[-1, -12:] = 0
+    return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
+
+
+def windowed_hf_llama():
+    """A Mistral (Llama with a sliding window) whose window (8) is shorter than the sequence."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=8)
+    return transformers.MistralForCausalLM(config).eval()

@@ -1,0 +1,126 @@
+"""Specialize attention masks built from an all-ones ``attention_mask`` input, behind a runtime check.
+
+HF models are usually called with the tokenizer's ``attention_mask``; in a training batch without
+padding it is all ones, and then the mask HF builds from it (``causal & attention_mask[b, kv]``)
+is plain causal.  But it is an *input*, so at compile time the mask depends on runtime values and
+the shard pass would have to refuse the graph.  This pass (mesh > 1 only) finds the integer/bool
+graph inputs that attention masks depend on, and if every such mask is causal or full when those
+inputs are all ones, it substitutes ``torch.ones`` for them in the graph: detect_attention then
+folds the masks into ``is_causal`` and the shard pass can lower the graph.  Every other reader of
+the input (OPT's ``cumsum`` positions, say) sees the same ones, which is exact whenever the input
+really is all ones.
+
+The graph records the inputs it assumed (``gm.meta["burstc_all_ones_inputs"]``, placeholder
+positions); the backend checks them on every call (one ``.all()`` per input, a host sync on GPU)
+and runs an unspecialized (unsharded, replicated) graph for a call where they are not all ones,
+noting it in the report.  A padded batch therefore gets the single-device result, never a wrong one.
+
+Before::
+
+    attention_mask = l_kwargs_attention_mask_.to(dtype=torch.bool)
+    padding = attention_mask[batch_indices, kv_indices]
+    mask = causal & padding                         # depends on the input: refused
+
+After::
+
+    ones = torch.ones((1, 64), dtype=torch.int64)   # guarded: the input must be all ones
+    attention_mask = ones.to(dtype=torch.bool)      # ... -> a constant causal mask
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from burstc.passes.detect_attention import attention_masks, classify_mask
+from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_code, evaluate_constant,
+                                       fake_mode_of, placeholder_example, placeholder_kind, set_meta, val)
+
+KIND = "unpadded_mask"
+GUARD_META = "burstc_all_ones_inputs"
+
+
+def _input_dependencies(mask_node: fx.Node) -> list[fx.Node]:
+    return [n for n in ancestors(mask_node) if n.op == "placeholder" and placeholder_kind(n) == "input"]
+
+
+def _assumable(node: fx.Node) -> str:
+    """Why ``node`` can't be assumed all ones, or "" if it can."""
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        return "not a tensor"
+    if v.is_floating_point() or v.is_complex():
+        return f"a {v.dtype} tensor, not an integer/bool mask"
+    if not all(isinstance(s, int) for s in v.shape):
+        return "its shape is dynamic"
+    # specialize on what the compiling call passed, as Dynamo does on ints: token ids (a document
+    # mask made from EOS positions) or a padded first batch would only ever miss the check
+    example = placeholder_example(node)
+    if isinstance(example, torch.Tensor) and not isinstance(example, FakeTensor) and not bool(example.all()):
+        return "not all ones in the call being compiled"
+    return ""
+
+
+def _substitute_ones(gm, placeholder, fake_mode) -> fx.Node:
+    v = val(placeholder)
+    first_user = next(n for n in gm.graph.nodes if n in placeholder.users)
+    kwargs = {"dtype": v.dtype, "device": v.device}
+    with gm.graph.inserting_before(first_user):
+        ones = gm.graph.call_function(torch.ones, (tuple(v.shape),), kwargs)
+    set_meta(ones, torch.ones, (tuple(v.shape),), kwargs, fake_mode)
+    placeholder.replace_all_uses_with(ones)
+    return ones
+
+
+def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
+    if context.world_size <= 1:
+        context.note = "single device: masks are left to the attention kernels"
+        return gm
+    masks = attention_masks(gm)
+    runtime_masks, candidates, reported = [], {}, set()
+    for reader, mask_node, to_visible in masks:
+        try:
+            evaluate_constant(gm, mask_node, at=reader)
+            continue  # constant already: detect_attention folds it
+        except NotConstant:
+            pass
+        inputs = _input_dependencies(mask_node)
+        refusals = {n: _assumable(n) for n in inputs}
+        if not inputs or any(refusals.values()):
+            why = "; ".join(f"`{n.name}` is {r}" for n, r in refusals.items() if r) or "no input"
+            if why not in reported:
+                reported.add(why)
+                context.skip(KIND, reader, f"mask depends on runtime values that can't be assumed all ones ({why})")
+            continue
+        runtime_masks.append((reader, mask_node, to_visible))
+        for n in inputs:
+            candidates[n] = candidates.get(n, 0) + 1  # how many masks read it
+    if not candidates:
+        if not masks:
+            context.note = "no attention mask found"
+        return gm
+
+    fake_mode = fake_mode_of(gm)
+    substitutes = {p: _substitute_ones(gm, p, fake_mode) for p in candidates}
+    verdicts = [classify_mask(gm, mask_node, to_visible, reader) for reader, mask_node, to_visible in runtime_masks]
+    if any(kind not in ("causal", "full") for kind, _ in verdicts):
+        for placeholder, ones in substitutes.items():  # undo: assuming ones would not make them causal
+            ones.replace_all_uses_with(placeholder)
+            gm.graph.erase_node(ones)
+        reasons = sorted({reason or kind for kind, reason in verdicts if kind not in ("causal", "full")})
+        for placeholder in candidates:
+            context.skip(KIND, placeholder, "the attention mask is not causal even when this input is all ones "
+                                            f"({'; '.join(reasons)})")
+        return gm
+
+    positions = [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n in candidates]
+    gm.meta[GUARD_META] = tuple(positions)
+    for placeholder in candidates:
+        context.rewrite(KIND, placeholder, {
+            "input": placeholder.name, "shape": tuple(val(placeholder).shape),
+            "masks": candidates[placeholder],
+            "guard": "all ones at runtime, else the unsharded graph runs"}, module="")
+    context.note = (f"{len(runtime_masks)} mask(s) are causal/full when {len(candidates)} input(s) are all ones; "
+                    "specialized, checked on every call")
+    eliminate_dead_code(gm.graph)
+    return gm

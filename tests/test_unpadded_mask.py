@@ -1,0 +1,134 @@
+"""HF models called with the tokenizer's ``attention_mask``: an all-ones mask is specialized (behind a
+runtime check) so the graph is sharded; a padded batch runs an unsharded graph, exact either way."""
+import functools
+import warnings
+
+import pytest
+import torch
+
+import model_zoo as zoo
+from burstc.testing import WorkerPool, assert_equivalent
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def workers():
+    with WorkerPool() as pool:
+        yield pool
+
+
+# OPT computes its positions with a cumsum over the attention_mask; GPT-2 and Llama only mask with it
+@pytest.mark.parametrize("config_name", ["LlamaConfig", "OPTConfig", "GPT2Config"])
+def test_all_ones_attention_mask_is_sharded(workers, config_name):
+    results = assert_equivalent(functools.partial(zoo.hf_arch, config_name), zoo.hf_arch_batch_inputs,
+                                zoo.hf_loss_with_attention_mask, world_size=2, group=workers.get(2),
+                                backend="aot_eager")
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("unpadded_mask") == 1 and "shard" in kinds and "attention" in kinds
+
+
+def _padded(ids, row, keep):
+    mask = torch.ones_like(ids)
+    mask[row, keep:] = 0
+    return mask
+
+
+def _ring_calls(fn):
+    from burstc.ops.ring_attention import record_stats
+
+    with record_stats() as stats:
+        out = fn()
+    return out, len(stats.of("forward"))
+
+
+def mixed_batches_task(rank, world_size, backend):
+    """All-ones, padded, all-ones again: every call equals eager; the padded one runs the fallback."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = zoo.hf_llama()
+    ids = zoo.hf_inputs()
+    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend=backend)
+    masks = [torch.ones_like(ids), _padded(ids, 1, 20), torch.ones_like(ids), _padded(ids, 0, 7)]
+    calls = []
+    for mask in masks:
+        model.zero_grad(set_to_none=True)
+        ref = model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
+        ref.backward()
+        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss, ring_calls = _ring_calls(
+                lambda: cmodel(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss)
+        loss.backward()
+        grad_error = max(float((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp_min(1e-12))
+                         for n, p in model.named_parameters())
+        calls.append(dict(loss_error=abs(float(loss) - float(ref)) / abs(float(ref)), grad_error=grad_error,
+                          ring_calls=ring_calls, warned=any("not all ones" in str(w.message) for w in caught)))
+    report = burstc.report(cmodel)
+    return dict(calls=calls, graphs=len(report.graph_records), kinds=[r.kind for r in report.rewrites],
+                skipped=[(s.kind, s.reason) for s in report.skipped])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_padded_batch_runs_the_unsharded_fallback(workers, backend):
+    results = workers.get(2).run(mixed_batches_task, backend, timeout=900)
+    for result in results:
+        calls = result["calls"]
+        for call in calls:
+            assert call["loss_error"] <= 1e-5 and call["grad_error"] <= 1e-5, call
+        # sharded calls run the ring (2 layers); padded calls run the replicated fallback
+        assert [c["ring_calls"] for c in calls] == [2, 0, 2, 0]
+        assert [c["warned"] for c in calls] == [False, True, False, False]   # warned once
+        assert result["graphs"] == 2                                           # fallback compiled once
+        assert result["kinds"].count("shard") == 1 and result["kinds"].count("unpadded_mask") == 1
+        fallback_notes = [r for k, r in result["skipped"] if k == "unpadded_mask"]
+        assert len(fallback_notes) == 1 and "not all ones" in fallback_notes[0]
+
+
+def test_padded_first_call_is_not_specialized(workers):
+    # the call being compiled has padding: nothing to specialize on; refused, exact
+    results = assert_equivalent(zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_with_padding, world_size=2,
+                                group=workers.get(2), backend="aot_eager", expect_sharded=False)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert "unpadded_mask" not in kinds and "shard" not in kinds
+    reasons = [r for k, r in results[0]["skipped"] if k == "unpadded_mask"]
+    assert len(reasons) == 1 and "not all ones in the call being compiled" in reasons[0]
+
+
+def test_mask_that_stays_non_causal_is_not_specialized(workers):
+    # a sliding window narrower than the sequence: all-ones padding does not make it causal
+    results = assert_equivalent(zoo.windowed_hf_llama, zoo.hf_inputs, zoo.hf_loss_with_attention_mask,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert "unpadded_mask" not in kinds and "shard" not in kinds
+    reasons = [r for k, r in results[0]["skipped"] if k == "unpadded_mask"]
+    assert reasons and all("not causal even when this input is all ones" in r for r in reasons)
+
+
+def test_refused_graph_keeps_the_real_reason(workers):
+    # MoE routing is refused whatever the mask: no runtime check is kept, and the report says why
+    results = assert_equivalent(functools.partial(zoo.hf_arch, "MixtralConfig"), zoo.hf_arch_batch_inputs,
+                                zoo.hf_loss_with_attention_mask, world_size=2, group=workers.get(2),
+                                backend="aot_eager", expect_sharded=False)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert "unpadded_mask" not in kinds and "shard" not in kinds
+    reasons = [r for k, r in results[0]["skipped"] if k == "shard"]
+    assert any(r.startswith("even with the attention-mask input assumed all ones") for r in reasons)
+
+
+def test_single_device_leaves_masks_alone():
+    import burstc
+
+    torch._dynamo.reset()
+    model = zoo.hf_llama()
+    ids = zoo.hf_inputs()
+    cmodel = burstc.compile(model, backend="aot_eager")
+    loss = zoo.hf_loss_with_attention_mask(cmodel, ids)
+    assert torch.allclose(loss, zoo.hf_loss_with_attention_mask(model, ids), rtol=1e-6)
+    runs = [p for p in burstc.report(cmodel).passes if p.name == "assume_unpadded"]
+    assert runs and all(p.rewrites == 0 and "single device" in p.note for p in runs)
