@@ -325,3 +325,14 @@ def windowed_hf_llama():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                         sliding_window=8)
     return transformers.MistralForCausalLM(config).eval()
+
+
+def hf_loss_autocast(model, ids):
+    """Mixed precision as users write it: fp32 parameters, the forward under torch.autocast(bf16)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def titan_loss_autocast(model, inputs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return call_with_loss(model, inputs)

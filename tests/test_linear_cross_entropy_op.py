@@ -548,3 +548,25 @@ def test_default_chunk_size_memory_budget():
     # V = 262144, H = 64: twice the 64 MiB accumulator allows 256 rows; the 32 MiB budget alone would give 64
     assert default_chunk_size(None, 262144, 64, torch.bfloat16) == 256
     assert default_chunk_size(None, 262144, 4, torch.bfloat16) == 64  # the budget is the floor
+
+
+@pytest.mark.parametrize("shape", [(300, 64, 1000), (257, 96, 5003)])
+def test_autocast_computes_the_logits_eager_autocast_computes(shape):
+    # under torch.autocast F.linear runs in bf16; the fused op casts hidden/weight alike, so it matches
+    # eager autocast far more closely than the fp32 computation does (and its gradients stay fp32)
+    n, h, v = shape
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.1).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = F.cross_entropy(F.linear(hidden, weight).float(), target)
+        fused = lce_ops.linear_cross_entropy(hidden, weight, target)
+    fp32 = F.cross_entropy(F.linear(hidden, weight), target)
+    assert fused.dtype == torch.float32
+    assert abs(float(fused - eager)) <= 0.1 * abs(float(fp32 - eager))
+    grads_fused = torch.autograd.grad(fused, (hidden, weight))
+    grads_eager = torch.autograd.grad(eager, (hidden, weight))
+    for got, want in zip(grads_fused, grads_eager):
+        assert got.dtype == torch.float32
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-2

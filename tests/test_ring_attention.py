@@ -571,3 +571,34 @@ def _two_dim_mesh(rank, world_size):
 def test_two_dimensional_mesh_is_rejected(workers):
     with pytest.raises(WorkerError, match="1-D DeviceMesh"):
         workers.get(2).run(_two_dim_mesh)
+
+
+def _run_under_autocast(rank, world_size, case: Case):
+    """q, k in fp32 (as RoPE leaves them) and v in bf16, inside torch.autocast: the ring casts all three
+    to bf16 as SDPA does; its gradients come back in each input's own dtype."""
+    q, k, v, grad_out, _ = _full_inputs(case)
+    v = v.to(torch.bfloat16)
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, case.layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ra.ring_attention(q_l, k_l, v_l, causal=case.causal, layout=case.layout, plan=case.plan)
+    (out.float() * shard(grad_out).float()).sum().backward()
+    reference = _reference(case, *(t.to(torch.bfloat16) for t in (q, k, v)), grad_out.to(torch.bfloat16), None)
+    mine = {"out": out, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}
+    result = _errors(mine, {name: shard(reference[name]) for name in mine})
+    result["dtypes"] = {name: t.dtype for name, t in mine.items()}
+    return result
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_autocast_casts_like_sdpa(workers, plan):
+    case = Case(world_size=2, batch=1, heads_q=4, heads_kv=2, local_len=8, head_dim=16, causal=True,
+                layout="zigzag", plan=plan, dtype=torch.float32, seed=11)
+    tolerance = TOLERANCES[torch.bfloat16]
+    for result in workers.get(2).run(_run_under_autocast, case):
+        assert result.pop("dtypes") == {"out": torch.bfloat16, "dq": torch.float32, "dk": torch.float32,
+                                        "dv": torch.bfloat16}
+        for name, error in result.items():
+            assert error["finite"] and error["max_error"] <= tolerance["atol"] + tolerance["rtol"] * error["scale"], \
+                (name, error)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import model_zoo as zoo
+from burstc._equivalence import TOLERANCE
 from burstc.testing import WorkerPool, assert_equivalent
 
 pytestmark = pytest.mark.multirank
@@ -71,6 +72,18 @@ def test_planner_picks_burst_for_mha_and_kv_ring_for_gqa(workers):
 def test_bf16(workers):
     assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
                       group=workers.get(2), backend="aot_eager", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "titan_llama"])
+def test_autocast(workers, name):
+    # fp32 parameters, bf16 autocast: the ring and the fused loss cast like the SDPA and linear they replace
+    pytest.importorskip("transformers") if name.startswith("hf") else None
+    model_fn, inputs_fn, loss_fn = {"hf_llama": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_autocast),
+                                    "titan_llama": (zoo.titan_llama, zoo.titan_inputs, zoo.titan_loss_autocast)}[name]
+    results = assert_equivalent(model_fn, inputs_fn, loss_fn, world_size=2, group=workers.get(2),
+                                backend="aot_eager", rtol=TOLERANCE[torch.bfloat16])
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("attention") == 2 and kinds.count("lm_head_loss") == 1
 
 
 @pytest.mark.slow

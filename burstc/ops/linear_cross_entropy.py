@@ -22,6 +22,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
+from burstc.ops.autocast import cast_like_lower_precision, without_autocast
 from burstc.kernels.linear_cross_entropy import chunked_linear_cross_entropy, default_chunk_size
 
 __all__ = ["linear_cross_entropy", "REDUCTIONS", "IMPLS"]
@@ -140,7 +141,7 @@ def _with_grads_impl(
 
 
 _lce_with_grads = torch.library.custom_op(
-    "burstc::linear_cross_entropy_with_grads", _with_grads_impl, mutates_args=()
+    "burstc::linear_cross_entropy_with_grads", without_autocast(_with_grads_impl), mutates_args=()
 )
 
 
@@ -206,7 +207,7 @@ def _forward_op_impl(
     return loss_N, lse_N
 
 
-_lce_forward = torch.library.custom_op("burstc::linear_cross_entropy_forward", _forward_op_impl, mutates_args=())
+_lce_forward = torch.library.custom_op("burstc::linear_cross_entropy_forward", without_autocast(_forward_op_impl), mutates_args=())
 
 
 @_lce_forward.register_fake
@@ -244,7 +245,7 @@ def _backward_op_impl(
 
 
 _lce_backward = torch.library.custom_op(
-    "burstc::linear_cross_entropy_backward", _backward_op_impl, mutates_args=()
+    "burstc::linear_cross_entropy_backward", without_autocast(_backward_op_impl), mutates_args=()
 )
 
 
@@ -390,7 +391,12 @@ def linear_cross_entropy(
     fp32 for the softmax, matching HF / eager ``F.cross_entropy(logits.float(), ...)``. For mean/sum with gradients
     enabled and any input requiring grad, all gradients are computed during the forward and backward only scales
     them; otherwise only the forward runs ("none" recomputes logit chunks in its backward).
+
+    Under ``torch.autocast``, hidden, weight and bias are cast to the region's dtype first, as ``F.linear``'s
+    are: the logits are the ones eager autocast computes.
     """
+    if isinstance(hidden, Tensor):
+        hidden, weight, bias = cast_like_lower_precision((hidden, weight, bias), hidden.device.type)
     _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothing, softcap, chunk_size, impl,
               class_weight)
     hidden_size = hidden.shape[-1]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from burstc.layout import check_layout
+from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 
 aten = torch.ops.aten
 
@@ -585,6 +586,7 @@ def _resolve_group(group_name: str) -> dist.ProcessGroup:
 
 
 @torch.library.custom_op("burstc::ring_attention_forward", mutates_args=())
+@without_autocast
 def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, layout: str,
                                scale: float, plan: str) -> tuple[Tensor, Tensor]:
     # ``plan`` is unused here; it rides along so that the autograd context has it.
@@ -598,6 +600,7 @@ def _(q, k, v, group_name, causal, layout, scale, plan):
 
 
 @torch.library.custom_op("burstc::ring_attention_backward", mutates_args=())
+@without_autocast
 def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 grad_lse: Tensor | None, group_name: str, causal: bool, layout: str, scale: float,
                                 plan: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -640,6 +643,8 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _ring_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+# autocast runs SDPA in lower precision: so does the ring that replaces it (q, k, v cast alike)
+register_lower_precision(_ring_attention_forward_op, (0, 1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,6 +703,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
     ``layout`` order (:func:`burstc.layout.local_positions`).  ``plan`` picks the backward
     (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's cheaper one).
     """
+    q, k, v = cast_like_lower_precision((q, k, v), q.device.type)  # as SDPA under torch.autocast
     _check_inputs(q, k, v, layout, plan)
     group = resolve_ring_group(group_or_mesh)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
