@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from burstc._logging import dump_graph, log_event
+from burstc.checkpoint_regions import inline_checkpoint_regions, outline_checkpoint_regions
 from burstc.config import BurstConfig
 from burstc.passes import PassContext, apply_passes
 from burstc.passes.assume_unpadded import GUARD_META
@@ -104,7 +105,15 @@ class BurstBackend:
             self.report.forget_graph(record.graph_id)
         context = PassContext(report=self.report, graph_id=record.graph_id, world_size=self.world_size,
                               mesh=self.mesh, example_inputs=list(example_inputs))
+        # on a mesh the passes must see inside checkpointed layers (sharding flows through them)
+        regions = inline_checkpoint_regions(gm) if self.world_size > 1 else []
         gm = apply_passes(gm, config=config, context=context)
+        if regions:
+            restored, kept = outline_checkpoint_regions(gm, regions)
+            for line in restored:
+                context.rewrite("checkpoint_region", "graph", {"restored": line}, module="")
+            for line in kept:
+                context.skip("checkpoint_region", "graph", line, module="")
         record.graphs["rewritten"] = snapshot(gm)
         dump_graph("rewritten", record.graph_id, gm)
         record.dropped_outputs = tuple(gm.meta.get("burstc_dropped_outputs", ()))

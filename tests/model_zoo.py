@@ -336,3 +336,20 @@ def hf_loss_autocast(model, ids):
 def titan_loss_autocast(model, inputs):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return call_with_loss(model, inputs)
+
+
+def hf_llama_checkpointed():
+    """HF's activation checkpointing, as long-sequence training turns it on."""
+    model = hf_llama()
+    model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def titan_llama_checkpointed():
+    """torchtitan-style per-layer activation checkpointing (checkpoint_wrapper around each block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = titan_llama()
+    for name, layer in list(model.model.layers.items()):
+        model.model.layers[name] = checkpoint_wrapper(layer)
+    return model
