@@ -31,6 +31,7 @@ __all__ = [
     "default_chunk_size",
     "chunked_linear_cross_entropy",
     "TRANSIENT_BUDGET_BYTES",
+    "EAGER_BYTES_PER_LOGIT",
 ]
 
 # Transient budget for a chunk's [C, V] GEMM-output buffer (see default_chunk_size): 32 MiB = 256 rows at
@@ -43,6 +44,12 @@ TRANSIENT_BUDGET_BYTES = 32 * 2**20
 # End to end (16384 x 1024 x 65536 bf16): 19.2 s with 1024-row chunks, 18.8 s with 2048.
 _TARGET_ROWS = {"low_precision": 2048, "fp32": 512}
 _ACCUMULATOR_MULTIPLE = {"low_precision": 2, "fp32": 1}
+# Eager's measured peak for F.cross_entropy(F.linear(h, W).float(), t) forward + backward, per logit, in fp32 and in
+# bf16 (logits, their fp32 upcast, softmax, gradients): 1536 MiB at 4096 x 32768, 6144 MiB at 16384 x 32768.
+EAGER_BYTES_PER_LOGIT = 12
+# The share of eager's peak the op aims to stay within: 1/8, less 5% for what the arithmetic leaves out (the
+# loss vector, gather indices, allocator rounding: ~3 MiB at 4096 tokens)
+_EAGER_SHARE = 0.95 / 8
 # Rows per chunk are a multiple of this (matmul blocking), unless the whole input is smaller.
 _CHUNK_ROW_MULTIPLE = 16
 # Rows per softmax block: the fp32 passes run on at most this many rows at a time (8 MiB at V = 32768, mostly
@@ -121,8 +128,11 @@ def default_chunk_size(
       V * H * 4 (fp32 weight-grad accumulator) + V * H * e (the weight gradient, cast at the end while the
       accumulator is alive) + N * H * e (the hidden gradient),
     against N * V * (2e + 12) bytes for eager (logits, fp32 upcast, log-softmax, fp32 and input-dtype grads).
-    ``softcap`` only adds the fixed block buffer. ``num_tokens`` (when known) caps the chunk; a floor of 16 rows
-    keeps the GEMMs efficient.
+    ``softcap`` only adds the fixed block buffer. ``num_tokens`` (when known) caps the chunk, and so does 1/8 of
+    eager's peak (EAGER_BYTES_PER_LOGIT * N * V, less 5%) less the fixed part above, down to the budget's rows:
+    e.g. fp32, N = 4096, V = 32768, H = 1024 -> 304 rows (144 MiB fixed + 38 MiB, within 1536 / 8). Where the fixed part alone
+    exceeds 1/8 (bf16, N = 4096, H = 1024: the fp32 accumulator and the bf16 gradient are 192 MiB) the chunk stays
+    at the budget. A floor of 16 rows keeps the GEMMs efficient.
     """
     del softcap  # the softcap buffer has a fixed number of rows
     elem = torch.empty((), dtype=dtype).element_size()
@@ -131,6 +141,13 @@ def default_chunk_size(
     budget_rows = TRANSIENT_BUDGET_BYTES // row_bytes
     growth_rows = (_ACCUMULATOR_MULTIPLE[kind] * vocab * hidden * 4) // row_bytes
     rows = max(budget_rows, min(_TARGET_ROWS[kind], growth_rows))
+    if isinstance(num_tokens, int) and num_tokens > 0:
+        # Few tokens: eager's own peak is small, so keep the op within 1/8 of it where the fixed part allows
+        # (never below the budget's rows, or the rows chosen, if smaller)
+        fixed_bytes = vocab * hidden * 4 + (vocab * hidden * elem if kind == "low_precision" else 0) \
+            + num_tokens * hidden * elem
+        spare_bytes = int(EAGER_BYTES_PER_LOGIT * num_tokens * vocab * _EAGER_SHARE) - fixed_bytes
+        rows = min(rows, max(spare_bytes // row_bytes, min(budget_rows, rows)))
     rows = max(_CHUNK_ROW_MULTIPLE, rows - rows % _CHUNK_ROW_MULTIPLE)
     if isinstance(num_tokens, int) and num_tokens > 0:
         rows = min(rows, num_tokens)

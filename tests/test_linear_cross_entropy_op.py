@@ -544,7 +544,14 @@ def test_default_chunk_size_memory_budget():
     # 32 MiB accumulator); V = 65536, H = 1024 -> 2048 rows (256 MiB next to a 256 MiB accumulator)
     assert default_chunk_size(None, 32768, 256, torch.bfloat16) == 1024
     assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 2048
-    assert default_chunk_size(300, 65536, 1024, torch.bfloat16) == 300
+    # with the token count known, the op stays within 1/8 of eager's 12 bytes per logit where it can: fp32,
+    # 4096 x 1024 x 32768 -> 304 rows (144 MiB of gradients + 38 MiB <= 0.95 * 1536 / 8); where the gradients alone
+    # exceed it (bf16: fp32 accumulator + bf16 gradient) the chunk falls back to the 32 MiB budget
+    assert default_chunk_size(4096, 32768, 1024, torch.float32) == 304
+    assert default_chunk_size(16384, 32768, 1024, torch.float32) == 512
+    assert default_chunk_size(4096, 32768, 1024, torch.bfloat16) == 512
+    assert default_chunk_size(16384, 65536, 1024, torch.bfloat16) == 2048
+    assert default_chunk_size(300, 65536, 1024, torch.bfloat16) == 256
     # V = 262144, H = 64: twice the 64 MiB accumulator allows 256 rows; the 32 MiB budget alone would give 64
     assert default_chunk_size(None, 262144, 64, torch.bfloat16) == 256
     assert default_chunk_size(None, 262144, 4, torch.bfloat16) == 64  # the budget is the floor
@@ -570,3 +577,35 @@ def test_autocast_computes_the_logits_eager_autocast_computes(shape):
     for got, want in zip(grads_fused, grads_eager):
         assert got.dtype == torch.float32
         assert float((got - want).abs().max() / want.abs().max()) <= 1e-2
+
+
+def test_backward_twice_with_retain_graph():
+    # the backward scales the forward's gradient buffers in place only when it frees the graph
+    hidden, weight, target, _ = make_inputs(37, 50, 16, torch.float32, has_bias=False, ignore_fraction=0.2, seed=4)
+    loss = linear_cross_entropy(hidden, weight, target)
+    first = torch.autograd.grad(loss * 2.0, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(loss * 3.0, (hidden, weight), retain_graph=True)
+    third = torch.autograd.grad(loss, (hidden, weight))
+    for a, b, c in zip(first, second, third):
+        torch.testing.assert_close(a, 2.0 * c, rtol=1e-6, atol=0)
+        torch.testing.assert_close(b, 3.0 * c, rtol=1e-6, atol=0)
+
+
+def test_backward_hands_the_forward_buffer_to_grad():
+    # no second [V, H] copy: .grad is the very buffer the forward filled, scaled in place
+    hidden, weight, target, _ = make_inputs(64, 300, 32, torch.float32, has_bias=False, ignore_fraction=0.0, seed=5)
+    seen = {}
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.burstc.linear_cross_entropy_with_grads.default:
+                seen["grad_weight_ptr"] = out[2].data_ptr()
+            return out
+
+    with Spy():
+        loss = linear_cross_entropy(hidden, weight, target)
+    (loss * 0.5).backward()
+    assert weight.grad.data_ptr() == seen["grad_weight_ptr"]
+    expected = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target) * 0.5, weight)[0]
+    torch.testing.assert_close(weight.grad, expected, rtol=1e-5, atol=1e-7)
