@@ -55,6 +55,8 @@ _CHUNK_ROW_MULTIPLE = 16
 # Rows per softmax block: the fp32 passes run on at most this many rows at a time (8 MiB at V = 32768, mostly
 # L3-resident), so low precision needs no fp32 copy of the whole chunk.
 _SOFTMAX_BLOCK_ROWS = 64
+# Target probabilities below this get their row's log-sum-exp from the row maximum instead (see _softmax_block).
+_TINY_PROBABILITY = 1e-30
 # Bytes of one low-precision weight-gradient partial product ([S, H] slice of the [V, H] product).
 _WEIGHT_GRAD_PARTIAL_BYTES = 4 * 2**20
 # Bytes of the fp32 staging buffer the partial passes through on its way into the accumulator (a mixed-dtype
@@ -207,20 +209,32 @@ def chunked_linear_cross_entropy(
         grad_hidden_NH = torch.empty_like(hidden_NH) if valid_index is None else torch.zeros_like(hidden_NH)
     grad_weight_acc_VH = torch.zeros(vocab, hidden_size, dtype=work_dtype, device=device) if need_grad_weight else None
     grad_bias_acc_V = torch.zeros(vocab, dtype=work_dtype, device=device) if need_grad_bias else None
+    # One scale for every computed row (the mean/sum loss's 1 / normalizer, with the ignored rows skipped or
+    # absent) and fp32 work: the rows' dlogits stay unscaled and the three gradients are scaled once at the end,
+    # one pass over N x H + V x H instead of one over every chunk's C x V. Low precision scales before rounding
+    # the dlogits (as eager autograd does).
+    uniform_scale = None
+    if (with_grads and work_dtype == dtype and token_grad_scale_N.numel() and token_grad_scale_N.stride(0) == 0
+            and (valid_index is not None or device.type == "cpu")):
+        uniform_scale = token_grad_scale_N[0].to(work_dtype)
     if active_tokens > 0:  # the chunk buffers live in _chunk_loop's frame: freed before the casts in _finish
         _chunk_loop(
             hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, valid_index,
             loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
             ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap,
-            chunk=max(1, min(int(chunk_size), active_tokens)),
+            chunk=max(1, min(int(chunk_size), active_tokens)), scale_rows=uniform_scale is None,
         )
+    if uniform_scale is not None and active_tokens > 0:  # (no rows: the gradients stay 0, even for 1 / 0)
+        for grad in (grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V):
+            if grad is not None:
+                grad.mul_(uniform_scale)
     return _finish(loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V)
 
 
 def _chunk_loop(
     hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, valid_index,
     loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
-    *, ignore_index, smoothing, softcap, chunk,
+    *, ignore_index, smoothing, softcap, chunk, scale_rows=True,
 ):
     """The chunk loop of chunked_linear_cross_entropy; writes into the *_out / grad_* tensors in place.
 
@@ -289,12 +303,21 @@ def _chunk_loop(
                 work = logits[rows]
             tanh = tanh_BV[: rows.stop - rows.start] if softcap is not None else None
             _softmax_block(
-                work, tanh, target_C[rows], None if scale_C is None else scale_C[rows], loss_C[rows], lse_C[rows],
-                ignore_index=ignore_index, smoothing=smoothing, softcap=softcap,
+                work, tanh, target_C[rows], loss_C[rows], lse_C[rows],
+                ignore_index=ignore_index, smoothing=smoothing, softcap=softcap, dlogits=with_grads,
             )
             if with_grads:
+                # row scale (0 at ignored tokens) times the unscaled dlogits; low precision then rounds the product
+                # to the input dtype, as eager autograd rounds dlogits before its matmuls
+                row_scale_B1 = None
+                if scale_rows:
+                    target_B = target_C[rows]
+                    row_scale_B1 = torch.where(target_B != ignore_index, scale_C[rows].to(work.dtype), 0.0)[:, None]
+                if row_scale_B1 is not None:
+                    work.mul_(row_scale_B1)
                 if low_precision:
-                    logits[rows].copy_(work)  # eager autograd rounds dlogits to the input dtype before its matmuls
+                    # a separate copy: torch.mul(..., out=<bf16>) measured 4.5x slower than mul_ + copy_
+                    logits[rows].copy_(work)
                 if grad_bias_acc_V is not None:
                     grad_bias_acc_V.add_(work.sum(dim=0))
         loss_out_N[tokens] = loss_C[:count]
@@ -313,9 +336,9 @@ def _chunk_loop(
                 _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits, hidden_CH, *weight_grad_partial)
 
 
-def _softmax_block(work, tanh, target_B, token_grad_scale_B, loss_out_B, lse_out_B, *, ignore_index, smoothing,
-                   softcap):
-    """Per-token loss and lse of a block of fp32 logits; with a grad scale, turns ``work`` into scaled dlogits."""
+def _softmax_block(work, tanh, target_B, loss_out_B, lse_out_B, *, ignore_index, smoothing, softcap, dlogits):
+    """Per-token loss and lse of a block of fp32 logits; with ``dlogits``, turns ``work`` into the *unscaled*
+    dlogits ``(softmax - (1 - eps) onehot - eps / V) * softcap'`` (the caller applies the row scale)."""
     vocab = work.shape[1]
     valid_B = target_B != ignore_index
     safe_target_B1 = torch.where(valid_B, target_B, 0).unsqueeze(1)
@@ -326,25 +349,30 @@ def _softmax_block(work, tanh, target_B, token_grad_scale_B, loss_out_B, lse_out
     target_logit_B = work.gather(1, safe_target_B1).squeeze(1)
     mean_logit_B = work.sum(dim=1) / vocab if smoothing else None
     # The fused in-place softmax (max, exp-sum, normalize) is ~3x faster on CPU than amax/sub/exp/sum passes.
-    # Its largest entry is exp(0) / sum = 1 / sum (within an ulp), so log(sum) = -log(max softmax) never
-    # underflows, unlike -log(p_target).
     torch._softmax(work, 1, False, out=work)
-    log_sumexp_B = -torch.log(work.amax(dim=1))
+    # log(sum exp(z - max)) from the target's probability p_t = exp(z_t - max) / sum, without another pass over
+    # the block: loss = -log p_t exactly (no cancellation), and lse = z_t - log p_t. Where p_t is too small to
+    # carry full precision (below 1e-30, far from fp32 denormals), the row's largest probability (= 1 / sum
+    # within an ulp) gives log(sum) instead.
+    p_target_B = work.gather(1, safe_target_B1).squeeze(1)
+    tiny_B = p_target_B < _TINY_PROBABILITY
+    log_p_target_B = torch.log(p_target_B.clamp_min(_TINY_PROBABILITY))
+    log_sumexp_B = (target_logit_B - max_B) - log_p_target_B
+    nll_B = -log_p_target_B
+    if bool(tiny_B.any()):
+        rows = tiny_B.nonzero().squeeze(1)
+        log_sumexp_B[rows] = -torch.log(work[rows].amax(dim=1))
+        nll_B[rows] = log_sumexp_B[rows] + (max_B[rows] - target_logit_B[rows])
     lse_out_B.copy_(max_B + log_sumexp_B)
-    # lse - z_t written as log(sum exp(z - max)) + (max - z_t): no cancellation between two large numbers
-    loss_B = log_sumexp_B + (1.0 - smoothing) * (max_B - target_logit_B)
-    if smoothing:
-        loss_B = loss_B + smoothing * (max_B - mean_logit_B)
+    loss_B = (1.0 - smoothing) * nll_B
+    if smoothing:  # eps * (lse - mean z)
+        loss_B = loss_B + smoothing * (log_sumexp_B + (max_B - mean_logit_B))
     loss_out_B.copy_(torch.where(valid_B, loss_B, 0.0))
-    if token_grad_scale_B is None:
+    if not dlogits:
         return
-    # dlogits = (softmax - (1 - eps) onehot - eps / V) * scale, scale = 0 at ignored tokens
-    row_scale_B1 = torch.where(valid_B, token_grad_scale_B.to(work.dtype), 0.0).unsqueeze(1)
-    if smoothing:  # one pass: softmax * scale - eps * scale / V
-        torch.addcmul(row_scale_B1 * (-smoothing / vocab), work, row_scale_B1, out=work)
-    else:
-        work.mul_(row_scale_B1)
-    work.scatter_add_(1, safe_target_B1, row_scale_B1 * -(1.0 - smoothing))
+    if smoothing:
+        work.sub_(smoothing / vocab)
+    work.scatter_add_(1, safe_target_B1, torch.full_like(p_target_B, -(1.0 - smoothing)).unsqueeze(1))
     if softcap is not None:
         # d(c tanh(x / c)) / dx = 1 - tanh^2
         tanh.mul_(tanh)
