@@ -127,14 +127,14 @@ def default_chunk_size(
       fp32, V = 32768, H = 256    -> 256 rows (32 MiB, the budget; = the accumulator)
       fp32, V = 65536, H = 1024   -> 512 rows (128 MiB next to 256 MiB)
     The whole op then holds, besides the transient,
-      V * H * 4 (fp32 weight-grad accumulator) + V * H * e (the weight gradient, cast at the end while the
-      accumulator is alive) + N * H * e (the hidden gradient),
+      V * H * 4 (the fp32 weight-grad accumulator; in low precision the weight gradient itself holds half of it,
+      see _SplitAccumulator) + N * H * e (the hidden gradient),
     against N * V * (2e + 12) bytes for eager (logits, fp32 upcast, log-softmax, fp32 and input-dtype grads).
     ``softcap`` only adds the fixed block buffer. ``num_tokens`` (when known) caps the chunk, and so does 1/8 of
     eager's peak (EAGER_BYTES_PER_LOGIT * N * V, less 5%) less the fixed part above, down to the budget's rows:
-    e.g. fp32, N = 4096, V = 32768, H = 1024 -> 304 rows (144 MiB fixed + 38 MiB, within 1536 / 8). Where the fixed part alone
-    exceeds 1/8 (bf16, N = 4096, H = 1024: the fp32 accumulator and the bf16 gradient are 192 MiB) the chunk stays
-    at the budget. A floor of 16 rows keeps the GEMMs efficient.
+    e.g. N = 4096, V = 32768, H = 1024: fp32 -> 304 rows (144 MiB fixed + 38 MiB, within 1536 / 8), bf16 -> 512
+    rows (152 MiB with the fp32 block and partial buffers leave 30 MiB: 480 rows, below the budget's 512). Where the fixed part alone exceeds 1/8 (few tokens, large V * H) the chunk stays at
+    the budget. A floor of 16 rows keeps the GEMMs efficient.
     """
     del softcap  # the softcap buffer has a fixed number of rows
     elem = torch.empty((), dtype=dtype).element_size()
@@ -146,8 +146,9 @@ def default_chunk_size(
     if isinstance(num_tokens, int) and num_tokens > 0:
         # Few tokens: eager's own peak is small, so keep the op within 1/8 of it where the fixed part allows
         # (never below the budget's rows, or the rows chosen, if smaller)
-        fixed_bytes = vocab * hidden * 4 + (vocab * hidden * elem if kind == "low_precision" else 0) \
-            + num_tokens * hidden * elem
+        fixed_bytes = vocab * hidden * 4 + num_tokens * hidden * elem  # see "The whole op then holds"
+        if kind == "low_precision":  # the fp32 softmax block and the weight-grad partial + staging buffers
+            fixed_bytes += _SOFTMAX_BLOCK_ROWS * vocab * 4 + _WEIGHT_GRAD_PARTIAL_BYTES + _WEIGHT_GRAD_STAGING_BYTES
         spare_bytes = int(EAGER_BYTES_PER_LOGIT * num_tokens * vocab * _EAGER_SHARE) - fixed_bytes
         rows = min(rows, max(spare_bytes // row_bytes, min(budget_rows, rows)))
     rows = max(_CHUNK_ROW_MULTIPLE, rows - rows % _CHUNK_ROW_MULTIPLE)
@@ -207,7 +208,10 @@ def chunked_linear_cross_entropy(
     grad_hidden_NH = None
     if need_grad_hidden:
         grad_hidden_NH = torch.empty_like(hidden_NH) if valid_index is None else torch.zeros_like(hidden_NH)
-    grad_weight_acc_VH = torch.zeros(vocab, hidden_size, dtype=work_dtype, device=device) if need_grad_weight else None
+    grad_weight_acc_VH = None
+    if need_grad_weight:
+        grad_weight_acc_VH = (_SplitAccumulator(vocab, hidden_size, dtype, device) if work_dtype != dtype
+                              else torch.zeros(vocab, hidden_size, dtype=work_dtype, device=device))
     grad_bias_acc_V = torch.zeros(vocab, dtype=work_dtype, device=device) if need_grad_bias else None
     # One scale for every computed row (the mean/sum loss's 1 / normalizer, with the ignored rows skipped or
     # absent) and fp32 work: the rows' dlogits stay unscaled and the three gradients are scaled once at the end,
@@ -379,8 +383,51 @@ def _softmax_block(work, tanh, target_B, loss_out_B, lse_out_B, *, ignore_index,
         torch.addcmul(work, work, tanh, value=-1.0, out=work)
 
 
+class _SplitAccumulator:
+    """The fp32 [V, H] weight-gradient accumulator of a low-precision weight, half of it inside the gradient.
+
+    The [V, H] gradient in the weight's dtype (e bytes, 2 for bf16/fp16) is allocated up front and its storage
+    holds the fp32 accumulator of rows [0, R), R = V * e / 4 = V / 2; rows [R, V) get an fp32 buffer of their own. At the
+    end rows [0, R) are narrowed to the weight dtype in place, front to back through a small staging buffer (the
+    narrow element i lands at byte e * i, at or before the fp32 element i it came from: nothing is overwritten
+    before it is read), and rows [R, V) are cast into the rest. Peak: V * H * 4 bytes for accumulator and gradient
+    together, not V * H * (4 + e), e.g. 256 MiB instead of 384 at V = 65536, H = 1024 in bf16."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device):
+        self.vocab, self.hidden = vocab, hidden
+        self.grad_VH = torch.empty(vocab, hidden, dtype=dtype, device=device)
+        assert self.grad_VH.element_size() == 2, "low precision means 2-byte floats here"
+        self.inner_rows = (vocab * hidden // 2) // hidden if hidden else 0
+        flat = self.grad_VH.view(-1)[: 2 * self.inner_rows * hidden]  # an even number of 2-byte elements
+        self.inner_RH = flat.view(torch.float32).view(self.inner_rows, hidden).zero_()
+        self.outer_RH = torch.zeros(vocab - self.inner_rows, hidden, dtype=torch.float32, device=device)
+
+    def add_rows(self, v0: int, v1: int, values_RH: Tensor) -> None:
+        """rows [v0, v1) += values_RH (fp32)."""
+        split = self.inner_rows
+        if v0 < split:
+            self.inner_RH[v0:min(v1, split)].add_(values_RH[: min(v1, split) - v0])
+        if v1 > split:
+            start = max(v0, split)
+            self.outer_RH[start - split:v1 - split].add_(values_RH[start - v0:])
+
+    def finish(self, staging_elements: int = _WEIGHT_GRAD_STAGING_BYTES // 4) -> Tensor:
+        inner = self.inner_RH.view(-1)
+        narrow = self.grad_VH.view(-1)
+        staging = torch.empty(min(staging_elements, max(inner.numel(), 1)), dtype=torch.float32,
+                              device=inner.device)
+        for a in range(0, inner.numel(), staging.numel()):
+            b = min(a + staging.numel(), inner.numel())
+            staging[: b - a].copy_(inner[a:b])
+            narrow[a:b].copy_(staging[: b - a])
+        self.grad_VH[self.inner_rows:].copy_(self.outer_RH)
+        self.inner_RH = self.outer_RH = None
+        return self.grad_VH
+
+
 def _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits_CV, hidden_CH, partial_SH, staging_RH):
-    """grad_weight_acc_VH (fp32) += dlogits_CV^T @ hidden_CH, by vocabulary slices of a bf16 GEMM."""
+    """grad_weight_acc_VH (a _SplitAccumulator) += dlogits_CV^T @ hidden_CH, by vocabulary slices of a bf16
+    GEMM."""
     vocab = dlogits_CV.shape[1]
     for v0 in range(0, vocab, partial_SH.shape[0]):
         v1 = min(v0 + partial_SH.shape[0], vocab)
@@ -390,10 +437,13 @@ def _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits_CV, hidden_CH, pa
             r1 = min(r0 + staging_RH.shape[0], v1 - v0)
             staged = staging_RH[: r1 - r0]
             staged.copy_(partial[r0:r1])
-            grad_weight_acc_VH[v0 + r0:v0 + r1].add_(staged)
+            grad_weight_acc_VH.add_rows(v0 + r0, v0 + r1, staged)
 
 
 def _finish(loss_N, lse_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V):
-    grad_weight_VH = None if grad_weight_acc_VH is None else grad_weight_acc_VH.to(weight_VH.dtype)
+    if isinstance(grad_weight_acc_VH, _SplitAccumulator):
+        grad_weight_VH = grad_weight_acc_VH.finish()
+    else:
+        grad_weight_VH = None if grad_weight_acc_VH is None else grad_weight_acc_VH.to(weight_VH.dtype)
     grad_bias_V = None if grad_bias_acc_V is None else grad_bias_acc_V.to(bias_V.dtype)
     return loss_N, lse_N, grad_hidden_NH, grad_weight_VH, grad_bias_V

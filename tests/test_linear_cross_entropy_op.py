@@ -545,8 +545,10 @@ def test_default_chunk_size_memory_budget():
     assert default_chunk_size(None, 32768, 256, torch.bfloat16) == 1024
     assert default_chunk_size(None, 65536, 1024, torch.bfloat16) == 2048
     # with the token count known, the op stays within 1/8 of eager's 12 bytes per logit where it can: fp32,
-    # 4096 x 1024 x 32768 -> 304 rows (144 MiB of gradients + 38 MiB <= 0.95 * 1536 / 8); where the gradients alone
-    # exceed it (bf16: fp32 accumulator + bf16 gradient) the chunk falls back to the 32 MiB budget
+    # 4096 x 1024 x 32768 -> 304 rows (144 MiB of gradients + 38 MiB <= 0.95 * 1536 / 8), bf16 -> 512 rows (the
+    # accumulator shares the gradient's storage: 152 MiB with the block buffers + 30 MiB allows 480 rows, and the
+    # 32 MiB budget's 512 rows are the floor); where the gradients alone exceed it (300 tokens)
+    # the chunk falls back to the 32 MiB budget
     assert default_chunk_size(4096, 32768, 1024, torch.float32) == 304
     assert default_chunk_size(16384, 32768, 1024, torch.float32) == 512
     assert default_chunk_size(4096, 32768, 1024, torch.bfloat16) == 512
@@ -609,3 +611,22 @@ def test_backward_hands_the_forward_buffer_to_grad():
     assert weight.grad.data_ptr() == seen["grad_weight_ptr"]
     expected = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target) * 0.5, weight)[0]
     torch.testing.assert_close(weight.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("vocab, hidden, dtype", [(7, 5, torch.bfloat16), (64, 48, torch.bfloat16),
+                                                  (33, 1, torch.float16), (1, 3, torch.bfloat16)])
+def test_split_accumulator_narrows_in_place(vocab, hidden, dtype):
+    # the fp32 accumulator of a bf16 weight gradient lives half inside the gradient's own storage; narrowing it in
+    # place through a tiny staging buffer (many overlapping steps) must give exactly the fp32 sums, rounded once
+    from burstc.kernels.linear_cross_entropy import _SplitAccumulator
+
+    accumulator = _SplitAccumulator(vocab, hidden, dtype, "cpu")
+    generator = torch.Generator().manual_seed(vocab * 31 + hidden)
+    expected = torch.zeros(vocab, hidden)
+    for v0, v1 in [(0, vocab), (vocab // 3, vocab), (0, max(1, vocab // 2)), (vocab // 2, vocab // 2 + 1)]:
+        values = torch.randn(v1 - v0, hidden, generator=generator)
+        accumulator.add_rows(v0, v1, values)
+        expected[v0:v1] += values
+    got = accumulator.finish(staging_elements=3)
+    assert got.dtype == dtype and got.shape == (vocab, hidden)
+    assert torch.equal(got, expected.to(dtype))
