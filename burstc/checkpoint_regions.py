@@ -86,20 +86,21 @@ def inline_checkpoint_regions(gm: fx.GraphModule) -> list[Region]:
     return regions
 
 
+def _reachable(starts, neighbours) -> set[fx.Node]:
+    """Every node reached from ``starts`` by one or more ``neighbours(node)`` steps."""
+    seen, stack = set(), list(starts)
+    while stack:
+        for nxt in neighbours(stack.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
 def _closure(members: set[fx.Node]) -> set[fx.Node]:
     """``members`` and every node on a path between two of them."""
-    downstream, stack = set(), list(members)
-    while stack:
-        for user in stack.pop().users:
-            if user not in downstream:
-                downstream.add(user)
-                stack.append(user)
-    upstream, stack = set(), list(members)
-    while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in upstream:
-                upstream.add(inp)
-                stack.append(inp)
+    downstream = _reachable(members, lambda n: n.users)
+    upstream = _reachable(members, lambda n: n.all_input_nodes)
     return members | (downstream & upstream)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 _DEVICE_TYPES = ("cpu", "cuda")
+_LIBRARIES: list = []  # a registration lives as long as its Library object
 
 
 def cast_like_lower_precision(tensors, device_type: str):
@@ -39,7 +40,7 @@ def register_lower_precision(op, positions: tuple[int, ...]) -> None:
     overload = op._opoverload
     namespace, name = overload._schema.name.split("::")
     library = torch.library.Library(namespace, "FRAGMENT")
-    _LIBRARIES.append(library)  # a registration lives as long as its Library object
+    _LIBRARIES.append(library)
     for device_type in _DEVICE_TYPES:
         if not torch.amp.is_autocast_available(device_type):
             continue
@@ -58,9 +59,6 @@ def register_lower_precision(op, positions: tuple[int, ...]) -> None:
             overload.py_kernels.pop(dispatch_key, None)
         overload.py_impl(dispatch_key)(cast_then_run)  # the Python dispatcher (tracing) takes this one
         library.impl(name, lambda _keyset, *args, run=cast_then_run: run(*args), key_name, with_keyset=True)
-
-
-_LIBRARIES: list = []
 
 
 def without_autocast(fn):
