@@ -55,6 +55,8 @@ _CHUNK_ROW_MULTIPLE = 16
 # Rows per softmax block: the fp32 passes run on at most this many rows at a time (8 MiB at V = 32768, mostly
 # L3-resident), so low precision needs no fp32 copy of the whole chunk.
 _SOFTMAX_BLOCK_ROWS = 64
+# fp32 chunks on CPU keep their logits vocab-major (see _chunk_loop)
+_VOCAB_MAJOR_FP32 = True
 # Target probabilities below this get their row's log-sum-exp from the row maximum instead (see _softmax_block).
 _TINY_PROBABILITY = 1e-30
 # Bytes of one low-precision weight-gradient partial product ([S, H] slice of the [V, H] product).
@@ -210,8 +212,12 @@ def chunked_linear_cross_entropy(
         grad_hidden_NH = torch.empty_like(hidden_NH) if valid_index is None else torch.zeros_like(hidden_NH)
     grad_weight_acc_VH = None
     if need_grad_weight:
-        grad_weight_acc_VH = (_SplitAccumulator(vocab, hidden_size, dtype, device) if work_dtype != dtype
-                              else torch.zeros(vocab, hidden_size, dtype=work_dtype, device=device))
+        # Left unwritten when some chunk will run: the first chunk's product is written, not added (one pass less
+        # over the V x H accumulator, and no zero fill)
+        grad_weight_acc_VH = (
+            _SplitAccumulator(vocab, hidden_size, dtype, device, zero=active_tokens == 0) if work_dtype != dtype
+            else (torch.empty if active_tokens else torch.zeros)(vocab, hidden_size, dtype=work_dtype, device=device)
+        )
     grad_bias_acc_V = torch.zeros(vocab, dtype=work_dtype, device=device) if need_grad_bias else None
     # One scale for every computed row (the mean/sum loss's 1 / normalizer, with the ignored rows skipped or
     # absent) and fp32 work: the rows' dlogits stay unscaled and the three gradients are scaled once at the end,
@@ -244,8 +250,9 @@ def _chunk_loop(
 
     Chunks cover tokens [start, stop) or, with ``valid_index``, the listed tokens (rows gathered per chunk).
     GEMMs run on chunks of C rows; the softmax passes on blocks of at most _SOFTMAX_BLOCK_ROWS rows of a chunk,
-    in an fp32 block buffer (low precision) or in place in the fp32 GEMM output. Low precision writes each block's
-    rounded dlogits back over its (consumed) logits rows, so a chunk costs C * V * e + block * V * 4 bytes.
+    in an fp32 block buffer (low precision) or in place in the fp32 GEMM output (vocab-major on CPU: the whole
+    chunk is one block). Low precision writes each block's rounded dlogits back over its (consumed) logits rows, so
+    a chunk costs C * V * e + block * V * 4 bytes.
     """
     hidden_size = hidden_NH.shape[1]
     active_tokens = hidden_NH.shape[0] if valid_index is None else valid_index.numel()
@@ -255,11 +262,20 @@ def _chunk_loop(
     low_precision = dtype != work_dtype
     with_grads = token_grad_scale_N is not None
     weight_t_HV = weight_VH.t()
-    block = min(chunk, _SOFTMAX_BLOCK_ROWS)
+    # fp32 on CPU keeps the chunk's logits vocab-major (a [V, C] buffer seen as its [C, V] transpose): the logits
+    # GEMM W @ h^T writing [V, C] ran 1.25-1.35x faster than h @ W^T writing [C, V] (H = 1024, V = 65536, C =
+    # 368-512: 136 vs 103-111 GFLOP/s), the two gradient GEMMs 1.0-1.05x; the softmax over the strided vocab
+    # axis costs more than the fused row softmax (4 passes, ~40 ms vs ~9 ms per 96 MiB chunk), a net 8-10% per
+    # chunk. The whole chunk is one softmax block then (the fp32 passes run in place in the GEMM output anyway).
+    # Low precision keeps rows (its fp32 block copies want contiguous rows), and so does softcap (its tanh buffer
+    # would grow from a block to the chunk).
+    vocab_major = _VOCAB_MAJOR_FP32 and not low_precision and softcap is None and device.type == "cpu"
+    block = chunk if vocab_major else min(chunk, _SOFTMAX_BLOCK_ROWS)
 
     # Buffers allocated once and reused: fresh [C, V] allocations are page-faulted on every chunk (measured
     # ~10x slower than writing into a warm buffer).
-    logits_CV = torch.empty(chunk, vocab, dtype=dtype, device=device)  # GEMM output, then dlogits (low precision)
+    # the chunk's logits (GEMM output), then its dlogits: row-major [C, V] or vocab-major [V, C]
+    logits_buffer = torch.empty(chunk * vocab, dtype=dtype, device=device)
     work_BV = torch.empty(block, vocab, dtype=work_dtype, device=device) if low_precision else None
     tanh_BV = torch.empty(block, vocab, dtype=work_dtype, device=device) if softcap is not None else None
     loss_C = torch.empty(chunk, dtype=work_dtype, device=device)
@@ -292,7 +308,10 @@ def _chunk_loop(
             grad_hidden_CH = gathered[1][:count] if gathered[1] is not None else None
         target_C = target_N[tokens]
         scale_C = None if token_grad_scale_N is None else token_grad_scale_N[tokens]
-        logits = logits_CV[:count]
+        if vocab_major:  # [count, V] with strides (1, count): the transpose of a contiguous [V, count]
+            logits = logits_buffer[: vocab * count].view(vocab, count).t()
+        else:
+            logits = logits_buffer[: count * vocab].view(count, vocab)
         # logits in the input dtype, bias fused into the GEMM like F.linear
         if bias_V is None:
             torch.mm(hidden_CH, weight_t_HV, out=logits)
@@ -331,10 +350,16 @@ def _chunk_loop(
             if valid_index is not None:
                 grad_hidden_NH.index_copy_(0, tokens, grad_hidden_CH)
         if grad_weight_acc_VH is not None:
+            first_chunk = start == 0  # the accumulator is still unwritten
             if weight_grad_partial is None:  # fp32 / fp64: accumulate inside the GEMM
-                grad_weight_acc_VH.addmm_(dlogits.t(), hidden_CH)
+                if first_chunk:
+                    torch.mm(dlogits.t(), hidden_CH, out=grad_weight_acc_VH)
+                else:
+                    grad_weight_acc_VH.addmm_(dlogits.t(), hidden_CH)
             else:
-                _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits, hidden_CH, *weight_grad_partial)
+                _add_low_precision_weight_grad(
+                    grad_weight_acc_VH, dlogits, hidden_CH, *weight_grad_partial, overwrite=first_chunk
+                )
 
 
 def _softmax_block(work, tanh, target_B, loss_out_B, lse_out_B, *, ignore_index, smoothing, softcap, dlogits):
@@ -349,8 +374,12 @@ def _softmax_block(work, tanh, target_B, loss_out_B, lse_out_B, *, ignore_index,
     max_B = work.amax(dim=1)
     target_logit_B = work.gather(1, safe_target_B1).squeeze(1)
     mean_logit_B = work.sum(dim=1) / vocab if smoothing else None
-    # The fused in-place softmax (max, exp-sum, normalize) is ~3x faster on CPU than amax/sub/exp/sum passes.
-    torch._softmax(work, 1, False, out=work)
+    if work.stride(1) == 1:
+        # The fused in-place softmax (max, exp-sum, normalize) is ~3x faster on CPU than amax/sub/exp/sum passes.
+        torch._softmax(work, 1, False, out=work)
+    else:  # vocab-major: torch's softmax over a strided axis measured ~1.7x slower than these 4 passes
+        work.sub_(max_B.unsqueeze(1)).exp_()
+        work.div_(work.sum(dim=1, keepdim=True))
     # log(sum exp(z - max)) from the target's probability p_t = exp(z_t - max) / sum, without another pass over
     # the block: loss = -log p_t exactly (no cancellation), and lse = z_t - log p_t. Where p_t is too small to
     # carry full precision (below 1e-30, far from fp32 denormals), the row's largest probability (= 1 / sum
@@ -390,22 +419,30 @@ class _SplitAccumulator:
     before it is read), and rows [R, V) are cast into the rest. Peak: V * H * 4 bytes for accumulator and gradient
     together, not V * H * (4 + e), e.g. 256 MiB instead of 384 at V = 65536, H = 1024 in bf16."""
 
-    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device, *, zero: bool = True):
+        """``zero=False`` leaves the accumulator unwritten: the caller's first add_rows of every row must then
+        pass ``overwrite=True``."""
         self.grad_VH = torch.empty(vocab, hidden, dtype=dtype, device=device)
         assert self.grad_VH.element_size() == 2, "low precision means 2-byte floats here"
         self.inner_rows = (vocab * hidden // 2) // hidden if hidden else 0
         flat = self.grad_VH.view(-1)[: 2 * self.inner_rows * hidden]  # an even number of 2-byte elements
-        self.inner_RH = flat.view(torch.float32).view(self.inner_rows, hidden).zero_()
-        self.outer_RH = torch.zeros(vocab - self.inner_rows, hidden, dtype=torch.float32, device=device)
+        self.inner_RH = flat.view(torch.float32).view(self.inner_rows, hidden)
+        self.outer_RH = torch.empty(vocab - self.inner_rows, hidden, dtype=torch.float32, device=device)
+        if zero:
+            self.inner_RH.zero_()
+            self.outer_RH.zero_()
 
-    def add_rows(self, v0: int, v1: int, values_RH: Tensor) -> None:
-        """rows [v0, v1) += values_RH (fp32)."""
+    def add_rows(self, v0: int, v1: int, values_RH: Tensor, *, overwrite: bool = False) -> None:
+        """rows [v0, v1) += values_RH (fp32); with ``overwrite``, rows [v0, v1) = values_RH."""
         split = self.inner_rows
-        if v0 < split:
-            self.inner_RH[v0:min(v1, split)].add_(values_RH[: min(v1, split) - v0])
-        if v1 > split:
-            start = max(v0, split)
-            self.outer_RH[start - split:v1 - split].add_(values_RH[start - v0:])
+        for rows_RH, lo, hi in ((self.inner_RH, 0, split), (self.outer_RH, split, self.grad_VH.shape[0])):
+            a, b = max(v0, lo), min(v1, hi)
+            if a < b:
+                dest, values = rows_RH[a - lo:b - lo], values_RH[a - v0:b - v0]
+                if overwrite:
+                    dest.copy_(values)
+                else:
+                    dest.add_(values)
 
     def finish(self, staging_elements: int = _WEIGHT_GRAD_STAGING_BYTES // 4) -> Tensor:
         inner = self.inner_RH.view(-1)
@@ -421,9 +458,10 @@ class _SplitAccumulator:
         return self.grad_VH
 
 
-def _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits_CV, hidden_CH, partial_SH, staging_RH):
-    """grad_weight_acc_VH (a _SplitAccumulator) += dlogits_CV^T @ hidden_CH, by vocabulary slices of a bf16
-    GEMM."""
+def _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits_CV, hidden_CH, partial_SH, staging_RH, *,
+                                   overwrite=False):
+    """grad_weight_acc_VH (a _SplitAccumulator) += dlogits_CV^T @ hidden_CH (``overwrite``: =), by vocabulary
+    slices of a bf16 GEMM."""
     vocab = dlogits_CV.shape[1]
     for v0 in range(0, vocab, partial_SH.shape[0]):
         v1 = min(v0 + partial_SH.shape[0], vocab)
@@ -433,7 +471,7 @@ def _add_low_precision_weight_grad(grad_weight_acc_VH, dlogits_CV, hidden_CH, pa
             r1 = min(r0 + staging_RH.shape[0], v1 - v0)
             staged = staging_RH[: r1 - r0]
             staged.copy_(partial[r0:r1])
-            grad_weight_acc_VH.add_rows(v0 + r0, v0 + r1, staged)
+            grad_weight_acc_VH.add_rows(v0 + r0, v0 + r1, staged, overwrite=overwrite)
 
 
 def _finish(loss_N, lse_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V, weight_VH, bias_V):

@@ -293,6 +293,27 @@ def test_chunk_sizes_that_do_not_divide_tokens_agree():
         assert_grads_match(grads, reference_grads, rtol=1e-5, atol_of_max=1e-5)
 
 
+@pytest.mark.parametrize("vocab_major", [False, True])
+@pytest.mark.parametrize("logit_scale, label_smoothing", [(3.0, 0.0), (3.0, 0.1), (80.0, 0.0), (80.0, 0.3)])
+def test_fp32_logit_layouts_match_the_oracle(monkeypatch, vocab_major, logit_scale, label_smoothing):
+    """fp32 on CPU keeps a chunk's logits vocab-major ([V, C] memory, its own softmax passes); the row-major
+    layout stays for the rest. Both against the fp64 oracle: bias, ignored tokens, a short last chunk, per-token
+    scales (reduction none), and target probabilities far below 1e-30 (logit std 80: the lse fallback)."""
+    import burstc.kernels.linear_cross_entropy as kernel
+
+    monkeypatch.setattr(kernel, "_VOCAB_MAJOR_FP32", vocab_major)
+    hidden, weight, target, bias = make_inputs(45, 301, 24, torch.float32, has_bias=True, ignore_fraction=0.2,
+                                               seed=5, logit_scale=logit_scale)
+    for reduction in ("mean", "none"):
+        options = dict(reduction=reduction, label_smoothing=label_smoothing)
+        loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, chunk_size=16, **options)
+        expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
+        if logit_scale > 10 and reduction == "none":  # the fallback really ran: -log p_t > -log 1e-30
+            assert float(expected_loss.max()) > 100
+        assert_close_nan_aware(loss.double(), expected_loss, rtol=1e-5, atol=1e-5, what=f"loss {reduction}")
+        assert_grads_match([g.double() for g in grads], expected_grads, rtol=1e-5, atol_of_max=1e-5)
+
+
 def test_partial_requires_grad_and_no_grad():
     hidden, weight, target, bias = make_inputs(12, 33, 8, torch.float32, has_bias=True, ignore_fraction=0.0, seed=4)
     frozen_weight = weight.detach()
@@ -615,17 +636,23 @@ def test_backward_hands_the_forward_buffer_to_grad():
 
 @pytest.mark.parametrize("vocab, hidden, dtype", [(7, 5, torch.bfloat16), (64, 48, torch.bfloat16),
                                                   (33, 1, torch.float16), (1, 3, torch.bfloat16)])
-def test_split_accumulator_narrows_in_place(vocab, hidden, dtype):
+@pytest.mark.parametrize("first_overwrites", [False, True])
+def test_split_accumulator_narrows_in_place(vocab, hidden, dtype, first_overwrites):
     # the fp32 accumulator of a bf16 weight gradient lives half inside the gradient's own storage; narrowing it in
-    # place through a tiny staging buffer (many overlapping steps) must give exactly the fp32 sums, rounded once
+    # place through a tiny staging buffer (many overlapping steps) must give exactly the fp32 sums, rounded once.
+    # Unzeroed (the kernel's first chunk writes instead of adding): NaN garbage must be overwritten everywhere.
     from burstc.kernels.linear_cross_entropy import _SplitAccumulator
 
-    accumulator = _SplitAccumulator(vocab, hidden, dtype, "cpu")
+    accumulator = _SplitAccumulator(vocab, hidden, dtype, "cpu", zero=not first_overwrites)
+    if first_overwrites:
+        accumulator.inner_RH.fill_(float("nan"))
+        accumulator.outer_RH.fill_(float("nan"))
     generator = torch.Generator().manual_seed(vocab * 31 + hidden)
     expected = torch.zeros(vocab, hidden)
-    for v0, v1 in [(0, vocab), (vocab // 3, vocab), (0, max(1, vocab // 2)), (vocab // 2, vocab // 2 + 1)]:
+    slices = [(0, vocab), (vocab // 3, vocab), (0, max(1, vocab // 2)), (vocab // 2, vocab // 2 + 1)]
+    for index, (v0, v1) in enumerate(slices):
         values = torch.randn(v1 - v0, hidden, generator=generator)
-        accumulator.add_rows(v0, v1, values)
+        accumulator.add_rows(v0, v1, values, overwrite=first_overwrites and index == 0)
         expected[v0:v1] += values
     got = accumulator.finish(staging_elements=3)
     assert got.dtype == dtype and got.shape == (vocab, hidden)
