@@ -614,8 +614,10 @@ def test_backward_twice_with_retain_graph():
         torch.testing.assert_close(b, 3.0 * c, rtol=1e-6, atol=0)
 
 
-def test_backward_hands_the_forward_buffer_to_grad():
-    # no second [V, H] copy: .grad is the very buffer the forward filled, scaled in place
+@pytest.mark.parametrize("seed_scale", [0.5, 1.0])
+def test_backward_hands_the_forward_buffer_to_grad(seed_scale):
+    # no second [V, H] copy: .grad is the very buffer the forward filled, scaled in place (a seed of 1 skips the
+    # scaling pass)
     hidden, weight, target, _ = make_inputs(64, 300, 32, torch.float32, has_bias=False, ignore_fraction=0.0, seed=5)
     seen = {}
 
@@ -628,9 +630,9 @@ def test_backward_hands_the_forward_buffer_to_grad():
 
     with Spy():
         loss = linear_cross_entropy(hidden, weight, target)
-    (loss * 0.5).backward()
+    (loss * seed_scale).backward()
     assert weight.grad.data_ptr() == seen["grad_weight_ptr"]
-    expected = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target) * 0.5, weight)[0]
+    expected = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target) * seed_scale, weight)[0]
     torch.testing.assert_close(weight.grad, expected, rtol=1e-5, atol=1e-7)
 
 

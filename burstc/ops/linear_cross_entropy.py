@@ -190,6 +190,10 @@ def _scaled(grad: Tensor, grad_loss: Tensor) -> Tensor:
 
     frees_graph = not torch._C._autograd._get_current_graph_task_keep_graph()
     if frees_graph and type(grad) is Tensor and _get_current_dispatch_mode() is None:
+        # loss.backward() seeds 1: x * 1 == x exactly (NaN and inf included), so on CPU (where reading the seed is
+        # no device sync) the pass over the [V, H] gradient is skipped
+        if grad_loss.device.type == "cpu" and grad_loss.numel() == 1 and bool(grad_loss == 1):
+            return grad
         return grad.mul_(grad_loss)
     return grad * grad_loss
 
