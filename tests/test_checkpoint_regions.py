@@ -12,6 +12,27 @@ pytestmark = pytest.mark.multirank
 RING_FORWARD = "burstc.ring_attention_forward"
 
 
+def _hf_checkpointing_fragments() -> bool:
+    """transformers >= 5.25 with its `kernels` dependency: the kernelized layers write a global inside forward,
+    an unsafe side effect inside torch.utils.checkpoint's higher-order op, so torch.compile itself (no burstc
+    involved) breaks the graph at every checkpointed HF layer. burstc then sees fragments without attention and
+    loss together and runs them unsharded, with that reason in the report."""
+    try:
+        import importlib.metadata as metadata
+
+        from packaging.version import Version
+
+        metadata.version("kernels")
+        return Version(metadata.version("transformers")) >= Version("5.25")
+    except Exception:
+        return False
+
+
+HF_CHECKPOINT_FRAGMENTS = pytest.mark.xfail(
+    _hf_checkpointing_fragments(), strict=True,
+    reason="transformers >= 5.25 + kernels: torch.compile breaks the graph in every HF checkpointed layer")
+
+
 @pytest.fixture(scope="module")
 def workers():
     with WorkerPool() as pool:
@@ -48,7 +69,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=HF_CHECKPOINT_FRAGMENTS) if n == "hf_llama" else n
+                                  for n in sorted(CASES)])
 def test_checkpointed_model_matches_single_device(workers, name):
     if name.startswith("hf"):
         pytest.importorskip("transformers")
@@ -59,7 +81,8 @@ def test_checkpointed_model_matches_single_device(workers, name):
     assert kinds.count("attention") == 2 and kinds.count("checkpoint_region") == 2 and "shard" in kinds
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=HF_CHECKPOINT_FRAGMENTS) if n == "hf_llama" else n
+                                  for n in sorted(CASES)])
 def test_ring_is_recomputed_in_the_backward(workers, name):
     if name.startswith("hf"):
         pytest.importorskip("transformers")
@@ -73,6 +96,7 @@ def test_ring_is_recomputed_in_the_backward(workers, name):
         assert checkpointed["forward_outputs"] < plain["forward_outputs"]
 
 
+@HF_CHECKPOINT_FRAGMENTS
 def test_single_device_keeps_checkpointing():
     import burstc
 
@@ -88,6 +112,7 @@ def test_single_device_keeps_checkpointing():
 
 
 @pytest.mark.slow
+@HF_CHECKPOINT_FRAGMENTS
 def test_checkpointed_hf_llama_under_inductor(workers):
     pytest.importorskip("transformers")
     results = assert_equivalent(zoo.hf_llama_checkpointed, zoo.hf_inputs, zoo.hf_loss_no_cache, world_size=2,
