@@ -342,9 +342,6 @@ def hf_llama_checkpointed():
     """HF's activation checkpointing, as long-sequence training turns it on."""
     model = hf_llama()
     model.gradient_checkpointing_enable()
-    # as HF training sets it: with use_cache=True, transformers >= 5.25 logs a warning inside forward (a Dynamo graph
-    # break: burstc then sees fragments and runs them unsharded, reported)
-    model.config.use_cache = False
     return model.train()
 
 

@@ -17,14 +17,14 @@ def _hf_checkpointing_fragments() -> bool:
     an unsafe side effect inside torch.utils.checkpoint's higher-order op, so torch.compile itself (no burstc
     involved) breaks the graph at every checkpointed HF layer. burstc then sees fragments without attention and
     loss together and runs them unsharded, with that reason in the report."""
+    import importlib.metadata as metadata
+
+    from packaging.version import Version
+
     try:
-        import importlib.metadata as metadata
-
-        from packaging.version import Version
-
         metadata.version("kernels")
         return Version(metadata.version("transformers")) >= Version("5.25")
-    except Exception:
+    except metadata.PackageNotFoundError:
         return False
 
 
@@ -67,10 +67,10 @@ CASES = {
     "hf_llama": (zoo.hf_llama_checkpointed, zoo.hf_inputs, zoo.hf_loss_no_cache),
     "titan_llama": (zoo.titan_llama_checkpointed, zoo.titan_inputs, zoo.call_with_loss),
 }
+CASE_NAMES = [pytest.param(n, marks=HF_CHECKPOINT_FRAGMENTS) if n == "hf_llama" else n for n in sorted(CASES)]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=HF_CHECKPOINT_FRAGMENTS) if n == "hf_llama" else n
-                                  for n in sorted(CASES)])
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_checkpointed_model_matches_single_device(workers, name):
     if name.startswith("hf"):
         pytest.importorskip("transformers")
@@ -81,8 +81,7 @@ def test_checkpointed_model_matches_single_device(workers, name):
     assert kinds.count("attention") == 2 and kinds.count("checkpoint_region") == 2 and "shard" in kinds
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=HF_CHECKPOINT_FRAGMENTS) if n == "hf_llama" else n
-                                  for n in sorted(CASES)])
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_ring_is_recomputed_in_the_backward(workers, name):
     if name.startswith("hf"):
         pytest.importorskip("transformers")
