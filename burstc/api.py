@@ -36,13 +36,15 @@ def compile(model, mesh=None, **options):
 
     ``mesh=None`` (or a DeviceMesh of size 1) means one device.  Options are keyword-only and
     validated (see :class:`burstc.config.BurstConfig`); an unknown option or a bad value is a
-    ``ValueError`` that names it.  Returns what ``torch.compile`` returns; call it like the original.
+    ``ValueError`` that names it.  Returns what ``torch.compile`` returns (an ``OptimizedModule`` for a module); call it like the original.
     """
     config = BurstConfig.from_options(options)
     world_size = _world_size_of(mesh)
     report = Report(config, world_size=world_size)
     backend = BurstBackend(config, report, mesh=mesh, world_size=world_size)
-    compiled = torch.compile(model, backend=backend, fullgraph=config.fullgraph, dynamic=config.dynamic)
+    # torch._dynamo.optimize is what torch.compile calls; torch.compile would wrap the backend in an object
+    # that hides its backend_ctx_ctor, the context Dynamo enters around tracing (see BurstBackend)
+    compiled = torch._dynamo.optimize(backend, nopython=config.fullgraph, dynamic=config.dynamic)(model)
     # object.__setattr__: OptimizedModule forwards setattr to the wrapped model, which we leave alone
     object.__setattr__(compiled, _REPORT_ATTR, report)
     return compiled

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import sys
 import warnings
 
 import torch
@@ -53,6 +55,20 @@ def check_same_inputs_on_all_ranks(tensors, mesh):
             "the full, identical batch; burstc shards the sequence itself")
 
 
+def _tracing_config(config: BurstConfig):
+    """Dynamo settings while it traces a burstc model; they keep a checkpointed model in one graph, so that
+    attention and loss meet in it and the sequence can be sharded through every layer."""
+    ignored_logging = set(torch._dynamo.config.ignore_logging_functions)
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None and hasattr(hf_logging, "warning_once"):
+        # HF's one-time warnings (e.g. "use_cache=True is incompatible with gradient checkpointing") break
+        # the graph before the model body otherwise, leaving the loss in a graph of its own
+        ignored_logging.add(hf_logging.warning_once)
+    return torch._dynamo.config.patch(
+        skip_fwd_side_effects_in_bwd_under_checkpoint=not config.replay_checkpoint_side_effects,
+        ignore_logging_functions=ignored_logging)
+
+
 class BurstBackend:
     """``torch.compile(model, backend=BurstBackend(config, mesh, report))``.
 
@@ -67,6 +83,9 @@ class BurstBackend:
         self.report = report
         self.mesh = mesh
         self.world_size = world_size
+        # Dynamo enters this around every call of the compiled model (so around its tracing); an instance
+        # attribute, as Dynamo's backend wrapper copies __dict__ and not class attributes
+        self.backend_ctx_ctor = functools.partial(_tracing_config, config)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         record = self.report.new_graph()

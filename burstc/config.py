@@ -37,6 +37,13 @@ class BurstConfig:
     check_inputs: bool = False
     """Check (one cheap all-reduce of a hash) that every rank got the same batch."""
 
+    replay_checkpoint_side_effects: bool = False
+    """A Python side effect inside a checkpointed region (HF's kernelized layers set a global in every
+    forward) makes torch.compile break the graph there, because eager checkpointing replays it during the
+    recomputation.  ``False`` (default) lets Dynamo trace through and apply such side effects once, in the
+    forward: tensor values are those of the model without checkpointing.  ``True`` keeps torch.compile's
+    default (a graph break per checkpointed layer, so no sharding across them)."""
+
     fullgraph: bool = False
     """Passed to torch.compile."""
 
@@ -55,7 +62,7 @@ class BurstConfig:
         unknown = [p for p in self.disable_passes if p not in PASS_ORDER]
         if unknown:
             raise ValueError(f"disable_passes: unknown pass name(s) {unknown}; passes are {list(PASS_ORDER)}")
-        for name in ("keep_logits", "reduce_grads", "check_inputs", "fullgraph"):
+        for name in ("keep_logits", "reduce_grads", "check_inputs", "replay_checkpoint_side_effects", "fullgraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic not in (None, True, False):
