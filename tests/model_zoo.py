@@ -161,6 +161,13 @@ def hf_arch(config_name: str):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
 
 
+def hf_arch_checkpointed(config_name: str):
+    """hf_arch with HF's gradient checkpointing on, in training mode (where HF checkpoints; dropout is off)."""
+    model = hf_arch(config_name)
+    model.gradient_checkpointing_enable()
+    return model.train()
+
+
 def hf_arch_inputs():
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 97, (1, 32), generator=g)

@@ -61,3 +61,14 @@ def test_batch_of_two_is_sharded(workers, config_name):
                                 zoo.hf_loss_no_cache, world_size=2, group=workers.get(2), backend="aot_eager",
                                 timeout=300)
     assert "shard" in [k for k, _ in results[0]["rewrites"]]
+
+
+@pytest.mark.parametrize("config_name", ["Qwen2Config", "GPT2Config", "Gemma3TextConfig", "GPTNeoXConfig"])
+def test_checkpointed_architecture_is_sharded(workers, config_name):
+    # HF's gradient checkpointing, called as users do (use_cache left at its default): one graph, each
+    # checkpointed layer restored around its ring attention
+    results = assert_equivalent(functools.partial(zoo.hf_arch_checkpointed, config_name), zoo.hf_arch_inputs,
+                                zoo.hf_loss_default, world_size=2, group=workers.get(2), backend="aot_eager",
+                                timeout=300)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("checkpoint_region") == 2 and kinds.count("attention") == 2 and "shard" in kinds
