@@ -6,7 +6,8 @@ Semantics (what the chunked kernel reproduces, i.e. eager ``F.cross_entropy(F.li
 
 - logits ``x = h @ W^T + b`` are computed by the matmul in the *input* dtype (so bf16 logits are rounded to bf16
   once, exactly like the eager model), then upcast to fp32;
-- optional softcap ``z = c * tanh(x / c)`` in fp32;
+- optional logit scale ``x = x * s`` in the input dtype (Cohere's and Granite's ``logits * s``: rounded there, like
+  eager), then the optional softcap ``z = c * tanh(x / c)`` in fp32;
 - per-token loss ``lse(z) - (1 - eps) * z_t - eps * mean_v(z_v)`` (label smoothing as in F.cross_entropy), 0 at
   ignored tokens;
 - gradient w.r.t. the logits ``(softmax(z) - (1 - eps) * onehot(t) - eps / V) * dloss * (1 - (z / c)^2)`` in fp32,
@@ -76,6 +77,7 @@ def linear_cross_entropy_reference(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     normalizer: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
@@ -90,8 +92,12 @@ def linear_cross_entropy_reference(
     """
     vocab = weight.shape[0]
     logits = F.linear(hidden, weight, bias)
+    if logit_scale is not None:  # in the input dtype (one rounding), as the model's `logits * scale`
+        logits = logits * logit_scale
     if compute_dtype == torch.float64 and logits.dtype != torch.float64:
         exact = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
+        if logit_scale is not None:
+            exact = exact * logit_scale
         logits = logits.detach().double() + (exact - exact.detach())
     logits = logits.to(compute_dtype).reshape(-1, vocab)
     if softcap is not None:
@@ -169,6 +175,7 @@ def chunked_linear_cross_entropy(
     ignore_index: int = -100,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     chunk_size: int | None = None,
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
@@ -231,9 +238,11 @@ def chunked_linear_cross_entropy(
         _chunk_loop(
             hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, valid_index,
             loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
-            ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap,
+            ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap, logit_scale=logit_scale,
             chunk=max(1, min(int(chunk_size), active_tokens)), scale_rows=uniform_scale is None,
         )
+        if logit_scale is not None and grad_bias_acc_V is not None:
+            grad_bias_acc_V.mul_(logit_scale)  # the chunks summed the bias gradient before the scale's chain rule
     if uniform_scale is not None and active_tokens > 0:  # (no rows: the gradients stay 0, even for 1 / 0)
         for grad in (grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V):
             if grad is not None:
@@ -244,7 +253,7 @@ def chunked_linear_cross_entropy(
 def _chunk_loop(
     hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, valid_index,
     loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
-    *, ignore_index, smoothing, softcap, chunk, scale_rows=True,
+    *, ignore_index, smoothing, softcap, chunk, scale_rows=True, logit_scale=None,
 ):
     """The chunk loop of chunked_linear_cross_entropy; writes into the *_out / grad_* tensors in place.
 
@@ -317,6 +326,8 @@ def _chunk_loop(
             torch.mm(hidden_CH, weight_t_HV, out=logits)
         else:
             torch.addmm(bias_V, hidden_CH, weight_t_HV, out=logits)
+        if logit_scale is not None:  # in the input dtype, as eager's `logits * s` (bf16 rounds the product)
+            logits.mul_(logit_scale)
         for block_start in range(0, count, block):
             rows = slice(block_start, min(block_start + block, count))
             if low_precision:
@@ -345,6 +356,9 @@ def _chunk_loop(
         if not with_grads:
             continue
         dlogits = logits
+        if logit_scale is not None:
+            # d(x * s) / dx: eager multiplies the (rounded, in low precision) dlogits by s in the input dtype
+            dlogits.mul_(logit_scale)
         if grad_hidden_CH is not None:
             torch.mm(dlogits, weight_VH, out=grad_hidden_CH)
             if valid_index is not None:

@@ -12,8 +12,9 @@ After::
 
 What may stand between the linear and the loss: ``float``/``to(float32)`` upcasts, ``contiguous``,
 reshapes that keep the vocab dim last (they only regroup tokens, so token order is preserved),
-token slicing (``logits[..., :-1, :]``, applied to the hidden states instead) and a tanh soft-cap
-(``c * tanh(x / c)``).  Anything else, a loss option the fused op can't reproduce exactly (class
+token slicing (``logits[..., :-1, :]``, applied to the hidden states instead), a constant scale of
+the linear's output (Cohere's ``logits * s``; Granite's ``logits / d`` when 1 / d is exact, a power of
+two, so that it is the same product) and a tanh soft-cap (``c * tanh(x / c)``).  Anything else, a loss option the fused op can't reproduce exactly (class
 weights, legacy ``size_average``/``reduce``), or a class dim other than the last: the candidate is
 skipped with its reason.
 
@@ -22,6 +23,7 @@ unless ``keep_logits=True``; logits that anything else uses are kept, and the re
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -64,16 +66,9 @@ class LMHeadLossMatch:
     reduction: str
     label_smoothing: float
     softcap: float | None
+    logit_scale: float | None
     token_slices: list = field(default_factory=list)  # getitem indices applied to the logits
     chain: list = field(default_factory=list)         # nodes from the CE input back to the linear
-
-
-
-
-
-
-
-
 
 
 def _full_slice(item) -> bool:
@@ -111,15 +106,39 @@ def _softcap_of(node: fx.Node):
     return float(cap), div_node.args[0], [tanh_node, div_node]
 
 
+def _logit_scale_of(node: fx.Node):
+    """``x * s``, ``s * x`` or ``x / d`` with a constant s (d) -> (s or 1 / d, x), else None.  A divisor whose
+    reciprocal is inexact (not a power of two) is refused: ``x / d`` and ``x * (1 / d)`` would round differently."""
+    is_mul = _is_function(node, operator.mul, torch.mul) or _is_method(node, "mul")
+    is_div = _is_function(node, operator.truediv, torch.div) or _is_method(node, "div")
+    if not (is_mul or is_div) or len(node.args) != 2 or node.kwargs:
+        return None
+    tensor, factor = node.args
+    if is_mul and not isinstance(tensor, fx.Node):
+        tensor, factor = factor, tensor
+    factor = _const(factor)
+    if not isinstance(tensor, fx.Node) or factor is None or isinstance(factor, bool):
+        return None
+    factor = float(factor)
+    if is_div:
+        if factor == 0.0 or not math.isfinite(factor) or math.frexp(abs(factor))[0] != 0.5:
+            raise _Refuse(f"logits divided by {factor:g}: only a power-of-two divisor (an exact reciprocal) is "
+                          "fused exactly")
+        factor = 1.0 / factor
+    if not math.isfinite(factor):
+        raise _Refuse(f"logits scaled by {factor:g}")
+    return factor, tensor
+
+
 def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
-    """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap)."""
-    chain, slices, softcap = [], [], None
+    """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap, logit_scale)."""
+    chain, slices, softcap, logit_scale = [], [], None, None
     node = ce_input
     while True:
         if not isinstance(node, fx.Node):
             raise _Refuse("cross_entropy input is not a graph value")
         if _is_function(node, *_LINEAR_TARGETS):
-            return node, chain, slices, softcap
+            return node, chain, slices, softcap, logit_scale
         if node.op == "placeholder":
             raise _Refuse("the logits come from outside this graph (a graph break between the LM head and the loss)")
         val = _val(node)
@@ -153,6 +172,17 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
                 raise _Refuse("two soft-caps on the logits")
             softcap, node, cap_nodes = capped
             chain.extend(cap_nodes)
+            continue
+        scaled = _logit_scale_of(node)
+        if scaled is not None:
+            factor, source = scaled
+            if not _is_function(source, *_LINEAR_TARGETS):
+                # the op scales the linear's output in its dtype, before any upcast, reshape or soft-cap
+                raise _Refuse(f"logits scaled by a constant at `{node.name}`, not directly on the lm_head output")
+            source_val = _val(source)
+            if source_val is not None and source_val.device.type != "cpu":
+                raise _Refuse("a logit scale is not in the Triton kernel yet (CPU only)")
+            logit_scale, node = factor, source
             continue
         what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
         raise _Refuse(f"op `{what}` between the lm_head linear and cross_entropy is not supported")
@@ -217,7 +247,7 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     if target_val.dtype not in (torch.int64, torch.int32):
         raise _Refuse("targets are class probabilities, not indices")
 
-    linear, chain, slices, softcap = _walk_to_linear(ce_input, in_val.shape[-1])
+    linear, chain, slices, softcap, logit_scale = _walk_to_linear(ce_input, in_val.shape[-1])
     hidden, weight = linear.args[0], linear.args[1]
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     weight_val = _val(weight)
@@ -226,11 +256,7 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     if not torch.is_floating_point(weight_val):
         raise _Refuse("lm_head weight is not floating point")
     return LMHeadLossMatch(loss_node, linear, hidden, weight, bias, target, ignore_index, reduction,
-                           float(label_smoothing), softcap, slices, chain)
-
-
-
-
+                           float(label_smoothing), softcap, logit_scale, slices, chain)
 
 
 def _predicted_bytes(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, chunk: int) -> dict:
@@ -278,6 +304,8 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             _set_meta(target, torch.reshape, (match.target, lead_shape), {}, fake_mode)
             kwargs = dict(bias=match.bias, ignore_index=match.ignore_index, reduction=match.reduction,
                           label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)
+            if match.logit_scale is not None:
+                kwargs["logit_scale"] = match.logit_scale
             fused = graph.call_function(linear_cross_entropy, (hidden, match.weight, target), kwargs)
             _set_meta(fused, linear_cross_entropy, (hidden, match.weight, target), kwargs, fake_mode)
         fused.meta["nn_module_stack"] = match.linear_node.meta.get("nn_module_stack", {})
@@ -302,7 +330,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             "tokens": num_tokens, "vocab": vocab, "hidden": hidden_size,
             "dtype": str(hidden_val.dtype).replace("torch.", ""),
             "reduction": match.reduction, "ignore_index": match.ignore_index,
-            "label_smoothing": match.label_smoothing, "softcap": match.softcap,
+            "label_smoothing": match.label_smoothing, "softcap": match.softcap, "logit_scale": match.logit_scale,
             "bias": match.bias is not None, "chunk_size": chunk, "logits": logits_note,
             "predicted_peak_bytes": _predicted_bytes(num_tokens, vocab, hidden_size, hidden_val.dtype, chunk),
         }, module=module_path(match.linear_node))

@@ -77,7 +77,20 @@ def softcapped(m, h, y):
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
 
 
+def cohere_scaled(m, h, y):
+    # Cohere: logits = lm_head(h) * logit_scale, then the HF loss upcasts
+    return F.cross_entropy((m.lm_head(h) * 0.0625).float().view(-1, V), y.view(-1))
+
+
+def granite_divided(m, h, y):
+    # Granite: logits = lm_head(h) / logits_scaling (a power of two: the same as * 1/8), then soft-capped here too
+    logits = 3.0 * torch.tanh((m.lm_head(h) / 8.0) / 3.0)
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+
+
 REWRITTEN = {
+    "cohere_scale": (cohere_scaled, True),
+    "granite_divisor_softcap": (granite_divided, False),
     "nanogpt": (nanogpt_style, False),
     "torchtitan": (torchtitan_style, False),
     "hf": (hf_style, False),
@@ -114,6 +127,14 @@ def test_pattern_is_rewritten_once_and_matches_eager(name):
     assert sum(n.target is F.cross_entropy for n in rewritten.graph.nodes) == 0
     assert not any(n.target in (torch._C._nn.linear,) and n.args[1].name.endswith("lm_head_parameters_weight_")
                    for n in rewritten.graph.nodes if n.op == "call_function"), "the LM-head matmul should be gone"
+
+
+def test_logit_scale_is_in_the_details():
+    model = Head(cohere_scaled)
+    cmodel = burstc.compile(model, backend="aot_eager")
+    ids = torch.randint(0, V, (2, 9))
+    cmodel(ids, ids)
+    assert burstc.report(cmodel).rewrites[0].logit_scale == 0.0625
 
 
 def test_details_of_rewrite():
@@ -182,8 +203,16 @@ def class_weights(m, h, y):
     return F.cross_entropy(m.lm_head(h).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V))
 
 
-def scaled_logits(m, h, y):
-    return F.cross_entropy((m.lm_head(h) * 0.5).view(-1, V), y.view(-1))
+def scaled_after_upcast(m, h, y):
+    return F.cross_entropy((m.lm_head(h).float() * 0.5).view(-1, V), y.view(-1))
+
+
+def divided_by_three(m, h, y):
+    return F.cross_entropy((m.lm_head(h) / 3.0).view(-1, V), y.view(-1))
+
+
+def scaled_by_tensor(m, h, y):
+    return F.cross_entropy((m.lm_head(h) * h.new_tensor(0.5)).view(-1, V), y.view(-1))
 
 
 def class_dim_one(m, h, y):
@@ -206,7 +235,9 @@ def reshape_vocab(m, h, y):
 
 REFUSED = {
     "class_weights": (class_weights, "class weights"),
-    "scaled_logits": (scaled_logits, "op `mul`"),
+    "scaled_after_upcast": (scaled_after_upcast, "not directly on the lm_head output"),
+    "divided_by_three": (divided_by_three, "power-of-two divisor"),
+    "scaled_by_tensor": (scaled_by_tensor, "op `mul`"),
     "class_dim_one": (class_dim_one, r"needs \[tokens, vocab\]"),
     "float64_upcast": (float64_upcast, "double|float64"),
     "matmul_head": (matmul_head, "op `matmul`"),

@@ -20,7 +20,7 @@ SHARDED = [
     "SeedOssConfig", "CodeGenConfig", "BioGptConfig", "GPTBigCodeConfig", "Gemma3TextConfig",
     "HunYuanDenseV1Config", "ApertusConfig", "Lfm2Config", "DiffLlamaConfig", "BitNetConfig", "MinistralConfig",
     "Ministral3Config", "NanoChatConfig",
-    # logits scaled between the head and the loss (no LM-head fusion): a plain cross_entropy on each rank's rows
+    # logits scaled between the head and the loss (fused with the scale)
     "CohereConfig", "Cohere2Config", "GraniteConfig",
 ]
 REFUSED = [
@@ -48,7 +48,7 @@ def test_architecture_is_exact_or_refused(workers, config_name):
                                 expect_sharded=ARCHITECTURES[config_name], timeout=300)
     kinds = [k for k, _ in results[0]["rewrites"]]
     if ARCHITECTURES[config_name]:
-        assert "shard" in kinds and "attention" in kinds
+        assert "shard" in kinds and "attention" in kinds and "lm_head_loss" in kinds
     else:
         assert "shard" not in kinds
         assert any(kind == "shard" for kind, _ in results[0]["skipped"]) or not kinds
@@ -56,7 +56,7 @@ def test_architecture_is_exact_or_refused(workers, config_name):
 
 @pytest.mark.parametrize("config_name", ["GPT2Config", "OPTConfig", "CohereConfig", "GraniteConfig", "LlamaConfig"])
 def test_batch_of_two_is_sharded(workers, config_name):
-    # these flatten batch and sequence together (GPT-2's Conv1D, OPT's MLP, the unfused loss of scaled logits)
+    # these flatten batch and sequence together (GPT-2's Conv1D, OPT's MLP, the fused loss of scaled logits)
     results = assert_equivalent(functools.partial(zoo.hf_arch, config_name), zoo.hf_arch_batch_inputs,
                                 zoo.hf_loss_no_cache, world_size=2, group=workers.get(2), backend="aot_eager",
                                 timeout=300)

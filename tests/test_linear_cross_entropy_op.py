@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import pytest
@@ -78,23 +79,24 @@ def assert_close_nan_aware(actual, expected, *, rtol, atol, what=""):
 
 
 def gradient_term_magnitudes(hidden, weight, target, bias, grad_output, *, reduction="mean", normalizer=None,
-                             label_smoothing=0.0, softcap=None):
+                             label_smoothing=0.0, softcap=None, logit_scale=None):
     """sum_k |term_k| for every entry of grad_hidden, grad_weight, grad_bias (fp64, from the exact softmax).
 
-    |dlogits_nv| <= s_n (p_nv + (1 - eps) [v = t_n] + eps / V) |softcap'(x_nv)| with s_n = d total / d loss_n.
+    |dlogits_nv| <= s_n (p_nv + (1 - eps) [v = t_n] + eps / V) |softcap'(x_nv)| |a| with s_n = d total / d loss_n
+    and a the logit scale.
     """
     vocab, hidden_size = weight.shape
     hidden_NH = hidden.detach().reshape(-1, hidden_size).double()
     target_N = target.reshape(-1)
     valid_N = target_N != -100
     logits = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach()).double()
-    logits = logits.reshape(-1, vocab)
-    softcap_slope = torch.ones_like(logits)
+    logits = logits.reshape(-1, vocab) * (1.0 if logit_scale is None else logit_scale)
+    softcap_slope = torch.ones_like(logits) * (1.0 if logit_scale is None else abs(logit_scale))
     if softcap is not None:
         tanh = torch.tanh(logits / softcap)
         # + tanh^2 / 16: in fp32, 1 - tanh^2 carries ~4u absolute error however small it is (saturated logits);
         # the 64u fp32 term tolerance turns that into 1/16 of tanh^2 (bf16 rounding dominates it in bf16)
-        logits, softcap_slope = softcap * tanh, 1 - tanh**2 + tanh**2 / 16
+        logits, softcap_slope = softcap * tanh, (1 - tanh**2 + tanh**2 / 16) * softcap_slope
     if reduction == "none":
         scale_N = grad_output.double().reshape(-1)
     elif normalizer is not None:
@@ -105,7 +107,14 @@ def gradient_term_magnitudes(hidden, weight, target, bias, grad_output, *, reduc
         scale_N = torch.ones_like(valid_N, dtype=torch.float64)
     scale_N = torch.where(valid_N, scale_N.abs(), 0.0)
     onehot = F.one_hot(torch.where(valid_N, target_N, 0), vocab).double()
-    magnitude_NV = torch.softmax(logits, dim=1) + (1 - label_smoothing) * onehot + label_smoothing / vocab
+    # p_nv carries the rounding of z_nv - max_n (|z - max| u relative) and of the GEMM behind z (|s| sum_h |h W| u,
+    # two GEMMs blocked differently): with the 64u tolerance, 1 + (both) / 32 covers them; they matter where the
+    # logit scale s stretches the logits
+    gemm_NV = F.linear(hidden_NH.abs(), weight.detach().double().abs(),
+                       None if bias is None else bias.detach().double().abs())
+    spread_NV = 1 + ((logits - logits.amax(dim=1, keepdim=True)).abs()
+                     + gemm_NV * (1.0 if logit_scale is None else abs(logit_scale))) / 32
+    magnitude_NV = torch.softmax(logits, dim=1) * spread_NV + (1 - label_smoothing) * onehot + label_smoothing / vocab
     magnitude_NV = magnitude_NV * softcap_slope * scale_N[:, None]
     grad_hidden = (magnitude_NV @ weight.detach().double().abs()).reshape(hidden.shape)
     grad_weight = magnitude_NV.t() @ hidden_NH.abs()
@@ -202,6 +211,7 @@ def lce_cases(draw):
         ignore_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
         label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 0.7])),
         softcap=draw(st.sampled_from([None, None, 2.0, 30.0])),
+        logit_scale=draw(st.sampled_from([None, None, None, 0.0625, 0.3, 2.5])),
         chunk_size=draw(st.sampled_from([None, 1, 3, 16]) | st.integers(1, 70)),
         leading=draw(st.sampled_from([None, "batch"])) if num_tokens % 2 == 0 else None,
         seed=draw(st.integers(0, 2**16)),
@@ -216,7 +226,8 @@ def test_matches_oracle(case):
         case["num_tokens"], case["vocab"], case["hidden"], case["dtype"], has_bias=case["has_bias"],
         ignore_fraction=case["ignore_fraction"], seed=case["seed"], leading=leading,
     )
-    options = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"], softcap=case["softcap"])
+    options = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"], softcap=case["softcap"],
+                   logit_scale=case["logit_scale"])
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias,
                                  chunk_size=case["chunk_size"], **options)
     expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
@@ -245,6 +256,24 @@ def test_matches_eager_cross_entropy_exactly_in_fp32_semantics():
     fused_grads = torch.autograd.grad(fused, (hidden, weight, bias))
     magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(fused))
     assert_grads_close(fused_grads, eager_grads, TOLERANCES[torch.bfloat16], magnitudes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logit_scale", [0.0625, 0.3])
+def test_logit_scale_matches_eager(dtype, logit_scale):
+    """Cohere / Granite scale the logits in the model's dtype before the loss (``logits * s``): the loss equals
+    eager's on the same rounded products, the gradients within the dtype's tolerance."""
+    hidden, weight, target, bias = make_inputs(45, 301, 40, dtype, has_bias=True, ignore_fraction=0.2, seed=4)
+    eager = F.cross_entropy((F.linear(hidden, weight, bias) * logit_scale).float(), target)
+    fused = linear_cross_entropy(hidden, weight, target, bias, logit_scale=logit_scale, chunk_size=8)
+    unscaled = linear_cross_entropy(hidden, weight, target, bias, chunk_size=8)
+    assert_close_nan_aware(fused, eager, rtol=2e-6, atol=2e-6, what="loss vs eager")
+    assert abs(float(fused) - float(unscaled)) > 1e-2  # the scale is applied, not dropped
+    eager_grads = torch.autograd.grad(eager, (hidden, weight, bias))
+    fused_grads = torch.autograd.grad(fused, (hidden, weight, bias))
+    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(fused),
+                                          logit_scale=logit_scale)
+    assert_grads_close(fused_grads, eager_grads, TOLERANCES[dtype], magnitudes)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -361,6 +390,11 @@ def test_invalid_inputs_raise_clear_errors():
         linear_cross_entropy(hidden, weight, target, class_weight=torch.ones(9))
     with pytest.raises(ValueError, match="impl"):
         linear_cross_entropy(hidden, weight, target, impl="cuda")
+    with pytest.raises(ValueError, match="logit_scale"):
+        linear_cross_entropy(hidden, weight, target, logit_scale=float("inf"))
+    if importlib.util.find_spec("triton") is not None:
+        with pytest.raises(NotImplementedError, match="logit_scale"):
+            linear_cross_entropy(hidden, weight, target, logit_scale=0.5, impl="triton")
     with pytest.raises(ValueError, match="normalizer"):
         linear_cross_entropy(hidden, weight, target, normalizer=torch.ones(2))
     with pytest.raises(ValueError, match="label_smoothing"):
