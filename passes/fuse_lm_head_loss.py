@@ -179,9 +179,6 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             if not _is_function(source, *_LINEAR_TARGETS):
                 # the op scales the linear's output in its dtype, before any upcast, reshape or soft-cap
                 raise _Refuse(f"logits scaled by a constant at `{node.name}`, not directly on the lm_head output")
-            source_val = _val(source)
-            if source_val is not None and source_val.device.type != "cpu":
-                raise _Refuse("a logit scale is not in the Triton kernel yet (CPU only)")
             logit_scale, node = factor, source
             continue
         what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)

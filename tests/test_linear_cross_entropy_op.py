@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 
 import pytest
@@ -392,9 +391,6 @@ def test_invalid_inputs_raise_clear_errors():
         linear_cross_entropy(hidden, weight, target, impl="cuda")
     with pytest.raises(ValueError, match="logit_scale"):
         linear_cross_entropy(hidden, weight, target, logit_scale=float("inf"))
-    if importlib.util.find_spec("triton") is not None:
-        with pytest.raises(NotImplementedError, match="logit_scale"):
-            linear_cross_entropy(hidden, weight, target, logit_scale=0.5, impl="triton")
     with pytest.raises(ValueError, match="normalizer"):
         linear_cross_entropy(hidden, weight, target, normalizer=torch.ones(2))
     with pytest.raises(ValueError, match="label_smoothing"):

@@ -119,11 +119,19 @@ def _grad_tolerance(dtype, max_abs_logit):
     )
 
 
-def _max_abs_logit(hidden, weight, bias, softcap):
-    logits = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach()).double()
+def _scaled_logits(hidden, weight, bias, softcap, logit_scale):
+    """fp64 logits at the input dtype's rounding: linear, then ``* logit_scale`` in the input dtype, then softcap."""
+    logits = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    logits = logits.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    return float(logits.abs().max())
+    return logits
+
+
+def _max_abs_logit(hidden, weight, bias, softcap, logit_scale=None):
+    return float(_scaled_logits(hidden, weight, bias, softcap, logit_scale).abs().max())
 
 
 def test_kernels_run_in_the_expected_mode():
@@ -133,36 +141,38 @@ def test_kernels_run_in_the_expected_mode():
     assert type(triton_kernels._lce_backward_kernel).__name__ == expected
 
 
-# (num_tokens, vocab, hidden, has_bias, label_smoothing, softcap): odd sizes that leave partial token, vocab and
-# hidden tiles (interpreter tiles are 16 x 32 x 32)
+# (num_tokens, vocab, hidden, has_bias, label_smoothing, softcap, logit_scale): odd sizes that leave partial token,
+# vocab and hidden tiles (interpreter tiles are 16 x 32 x 32); Cohere-like (0.0625) and Granite-like (1 / 8 = 0.125,
+# with bias and smoothing; 0.3 with a softcap) logit scales
 CASES = [
-    (1, 5, 3, False, 0.0, None),
-    (17, 33, 17, True, 0.0, None),
-    (37, 127, 40, True, 0.1, None),
-    (64, 200, 64, False, 0.0, 3.0),
-    (29, 96, 33, True, 0.3, 20.0),
+    (1, 5, 3, False, 0.0, None, None),
+    (17, 33, 17, True, 0.0, None, None),
+    (37, 127, 40, True, 0.1, None, None),
+    (64, 200, 64, False, 0.0, 3.0, None),
+    (29, 96, 33, True, 0.3, 20.0, None),
+    (23, 77, 20, False, 0.0, None, 0.0625),
+    (33, 130, 24, True, 0.1, None, 0.125),
+    (19, 64, 36, True, 0.0, 4.0, 0.3),
 ]
+CASE_ID = "N{}-V{}-H{}-bias{}-eps{}-cap{}-scale{}".format
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "N{}-V{}-H{}-bias{}-eps{}-cap{}".format(*c))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: CASE_ID(*c))
 def test_forward_kernel_loss_and_lse(case, dtype):
-    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap = case
+    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, logit_scale = case
     hidden, weight, target, bias = make_inputs(num_tokens, vocab, hidden_size, dtype, has_bias=has_bias,
                                                ignore_fraction=0.25, seed=num_tokens)
     loss_N, lse_N = triton_kernels.triton_lce_forward(
         hidden.detach(), weight.detach(), target, None if bias is None else bias.detach(),
-        label_smoothing=label_smoothing, softcap=softcap,
+        label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
     )
     assert loss_N.dtype == lse_N.dtype == torch.float32 and loss_N.shape == lse_N.shape == (num_tokens,)
     expected_loss = oracle(hidden, weight, target, bias, reduction="none", label_smoothing=label_smoothing,
-                           softcap=softcap)
-    logits = F.linear(hidden, weight, bias).double()
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    expected_lse = torch.logsumexp(logits, dim=1)
+                           softcap=softcap, logit_scale=logit_scale)
+    expected_lse = torch.logsumexp(_scaled_logits(hidden, weight, bias, softcap, logit_scale), dim=1)
     entry = TRITON_TOLERANCES[dtype]
-    atol = entry["loss_atol_of_logit"] * max(1.0, _max_abs_logit(hidden, weight, bias, softcap))
+    atol = entry["loss_atol_of_logit"] * max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
     assert_close_nan_aware(loss_N, expected_loss, rtol=entry["loss_rtol"], atol=atol, what="per-token loss")
     assert_close_nan_aware(lse_N, expected_lse, rtol=entry["loss_rtol"], atol=atol, what="lse")
     assert bool((loss_N[target == -100] == 0).all())
@@ -170,15 +180,15 @@ def test_forward_kernel_loss_and_lse(case, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: "N{}-V{}-H{}-bias{}-eps{}-cap{}".format(*c))
+@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: CASE_ID(*c))
 def test_triton_op_loss_and_grads(case, reduction, dtype):
-    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap = case
+    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, logit_scale = case
     hidden, weight, target, bias = make_inputs(num_tokens, vocab, hidden_size, dtype, has_bias=has_bias,
                                                ignore_fraction=0.25, seed=num_tokens + 1)
-    options = dict(reduction=reduction, label_smoothing=label_smoothing, softcap=softcap)
+    options = dict(reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale)
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton", **options)
     expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
-    max_logit = max(1.0, _max_abs_logit(hidden, weight, bias, softcap))
+    max_logit = max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
     entry = TRITON_TOLERANCES[dtype]
     # per-token atol; a sum of n tokens accumulates up to n of them, a mean averages them
     tokens_in_loss = int((target != -100).sum()) if reduction == "sum" else 1
@@ -197,9 +207,10 @@ def test_triton_all_ignored_mean_is_nan_with_zero_grads():
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_triton_matches_chunked_torch_path():
+@pytest.mark.parametrize("logit_scale", [None, 0.3])
+def test_triton_matches_chunked_torch_path(logit_scale):
     hidden, weight, target, bias = make_inputs(40, 150, 24, torch.float32, has_bias=True, ignore_fraction=0.2, seed=3)
-    options = dict(label_smoothing=0.1, softcap=10.0)
+    options = dict(label_smoothing=0.1, softcap=10.0, logit_scale=logit_scale)
     triton_loss, triton_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton",
                                                **options)
     torch_loss, torch_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="torch",

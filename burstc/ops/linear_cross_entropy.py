@@ -67,7 +67,7 @@ def _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, s
 
         return triton_lce_forward(
             hidden, weight, target, bias,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
         )
     loss_N, lse_N, *_ = chunked_linear_cross_entropy(
         hidden, weight, target, bias,
@@ -83,7 +83,7 @@ def _grads_impl(hidden, weight, target, bias, lse, token_grad_scale, ignore_inde
 
         return triton_lce_backward(
             hidden, weight, target, bias, lse, token_grad_scale,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
         )
     _, _, grad_hidden, grad_weight, grad_bias = chunked_linear_cross_entropy(
@@ -435,8 +435,6 @@ def linear_cross_entropy(
         target_N = target_N.long()
     resolved_impl = _resolve_impl(impl, hidden.device)
     logit_scale = None if logit_scale is None or float(logit_scale) == 1.0 else float(logit_scale)
-    if logit_scale is not None and resolved_impl == "triton":
-        raise NotImplementedError("linear_cross_entropy: logit_scale is not in the Triton kernel yet; use impl='torch'")
     if chunk_size is None:
         # from N only when it is a concrete int: a dynamic (symbolic) token count must not specialize
         num_tokens = hidden_NH.shape[0] if type(hidden_NH.shape[0]) is int else None
