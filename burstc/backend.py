@@ -89,6 +89,15 @@ class BurstBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         record = self.report.new_graph()
+        try:
+            return self._compile_graph(gm, example_inputs, record)
+        except torch._dynamo.exc.RestartAnalysis:
+            # Dynamo retraces the frame (e.g. a Python float it had made symbolic is specialized after all) and
+            # calls the backend again: this attempt's graph never runs, so it leaves no trace in the report
+            self.report.discard_graph(record.graph_id)
+            raise
+
+    def _compile_graph(self, gm: fx.GraphModule, example_inputs, record):
         record.graphs["captured"] = snapshot(gm)
         dump_graph("captured", record.graph_id, gm)
         gm = self._rewrite(gm, example_inputs, record, self.config)

@@ -89,6 +89,13 @@ class Report:
         self.skipped = [s for s in self.skipped if s.graph_id != graph_id]
         self.passes = [p for p in self.passes if p.graph_id != graph_id]
 
+    def discard_graph(self, graph_id: int) -> None:
+        """Drop the last graph record and everything recorded for it (a compile attempt Dynamo abandoned)."""
+        if not self.graph_records or self.graph_records[-1].graph_id != graph_id:
+            raise RuntimeError(f"burstc: only the last graph record can be discarded, not {graph_id}")
+        self.forget_graph(graph_id)
+        self.graph_records.pop()
+
     @property
     def compiled(self) -> bool:
         return bool(self.graph_records)

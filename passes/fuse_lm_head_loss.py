@@ -41,6 +41,7 @@ from burstc.passes.graph_utils import fake_mode_of as _fake_mode
 from burstc.passes.graph_utils import is_function as _is_function
 from burstc.passes.graph_utils import is_method as _is_method
 from burstc.passes.graph_utils import set_meta as _set_meta
+from burstc.passes.graph_utils import shape_args
 from burstc.passes.graph_utils import val as _val
 
 KIND = "lm_head_loss"
@@ -296,7 +297,11 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 hidden = sliced
             # the targets in the hidden states' token shape ([B, S] for [B, S, H]), so that a row of
             # one is a token of the other whatever the leading dims (and the shard pass can split both)
-            lead_shape = tuple(_val(hidden).shape[:-1])
+            lead_shape = shape_args(graph, hidden, range(_val(hidden).dim() - 1), fake_mode)
+            # CE's per-token losses have the target's shape (sizes taken here: inserting_after reverses order)
+            loss_shape = None
+            if match.reduction == "none":
+                loss_shape = shape_args(graph, match.target, range(_val(match.target).dim()), fake_mode)
             target = graph.call_method("reshape", (match.target, lead_shape))
             _set_meta(target, torch.reshape, (match.target, lead_shape), {}, fake_mode)
             kwargs = dict(bias=match.bias, ignore_index=match.ignore_index, reduction=match.reduction,
@@ -309,8 +314,8 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         result = fused
         if match.reduction == "none":  # per-token losses come in the token shape; give CE's [N] back
             with graph.inserting_after(fused):
-                result = graph.call_method("reshape", (fused, tuple(_val(match.loss_node).shape)))
-            _set_meta(result, torch.reshape, (fused, tuple(_val(match.loss_node).shape)), {}, fake_mode)
+                result = graph.call_method("reshape", (fused, loss_shape))
+            _set_meta(result, torch.reshape, (fused, loss_shape), {}, fake_mode)
         match.loss_node.replace_all_uses_with(result)
         graph.erase_node(match.loss_node)
 

@@ -35,6 +35,22 @@ def set_meta(node: fx.Node, fn, args, kwargs, fake_mode):
         node.meta["example_value"] = fn(*fargs, **fkwargs)
 
 
+def shape_args(graph: fx.Graph, node: fx.Node, dims, fake_mode) -> tuple:
+    """Sizes of ``node``'s dims ``dims`` as reshape arguments: ints where static; where symbolic (dynamic shapes),
+    a ``node.size(d)`` node, since a raw SymInt is not a valid FX argument. Insert at the graph's insert point."""
+    shape = val(node).shape
+    sizes = []
+    for dim in dims:
+        size = shape[dim]
+        if isinstance(size, int):
+            sizes.append(size)
+            continue
+        size_node = graph.call_method("size", (node, dim))
+        set_meta(size_node, lambda tensor, d: tensor.size(d), (node, dim), {}, fake_mode)
+        sizes.append(size_node)
+    return tuple(sizes)
+
+
 def is_function(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 

@@ -113,3 +113,48 @@ def test_inference_forward_only():
     rep = burstc.report(cmodel)
     assert [r.kind for r in rep.rewrites] == ["lm_head_loss"]
     assert "backward" not in rep.graphs
+
+
+class _PerTokenLossLM(torch.nn.Module):
+    """A model that takes per-token losses (reduction="none") and averages them over a loss mask itself."""
+
+    def __init__(self, vocab=157, dim=24):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=True)
+
+    def forward(self, ids, targets, loss_mask):
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        per_token = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
+                                                      reduction="none").view(targets.shape)
+        return (per_token * loss_mask).sum() / loss_mask.sum()
+
+
+def test_dynamic_shapes_one_graph_for_every_length(recwarn):
+    """dynamic=True: one symbolic graph serves every sequence length, with the rewrite in it (token count
+    symbolic) and loss and grads equal eager at each length; the rewritten graph carries no raw SymInt."""
+    hf_model = tiny_hf_llama(layers=1)
+    hf_compiled = burstc.compile(hf_model, backend="aot_eager", dynamic=True)
+    torch.manual_seed(1)
+    lm = _PerTokenLossLM()
+    lm_compiled = burstc.compile(lm, backend="aot_eager", dynamic=True)
+    for length in (24, 37, 50):
+        ids = torch.randint(0, 211, (2, length))
+        labels = ids.clone()
+        labels[1, : length // 3] = -100
+        run = lambda m: m(input_ids=ids, labels=labels, use_cache=False).loss
+        assert_same_training_step(hf_model, run, lambda: hf_compiled(input_ids=ids, labels=labels,
+                                                                       use_cache=False).loss)
+        tokens = torch.randint(0, 157, (3, length))
+        targets = torch.randint(0, 157, (3, length))
+        mask = (torch.rand(3, length) < 0.7).float()
+        assert_same_training_step(lm, lambda m: m(tokens, targets, mask), lambda: lm_compiled(tokens, targets, mask))
+    for compiled in (hf_compiled, lm_compiled):
+        rep = burstc.report(compiled)
+        assert len(rep.graph_records) == 1, str(rep)  # no recompile per length
+        (rewrite,) = rep.rewrites
+        assert rewrite.kind == "lm_head_loss" and not isinstance(rewrite.details["tokens"], int), str(rep)
+    assert burstc.report(lm_compiled).rewrites[0].details["reduction"] == "none"
+    raw_symint = [w for w in recwarn if "Raw SymInt" in str(w.message)]
+    assert not raw_symint, raw_symint[0].message
