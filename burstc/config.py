@@ -18,9 +18,12 @@ class BurstConfig:
     disable_passes: tuple[str, ...] = ()
     """Names of burstc passes to skip (see ``burstc.passes.PASS_ORDER``)."""
 
-    keep_logits: bool = False
-    """When the graph returns the logits only as an output (HF training), the fused LM-head loss
-    returns ``None`` in their place (they are never materialized).  ``True`` keeps them."""
+    keep_logits: bool | None = None
+    """When the graph returns the logits only as an output (HF models do), ``False`` has the fused LM-head
+    loss return ``None`` in their place (they are never materialized) and ``True`` keeps them.  ``None``
+    (default) drops them from graphs compiled with gradients enabled (training) and keeps them in graphs
+    compiled under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, where the logits are
+    usually wanted), as Liger-Kernel drops them only in training."""
 
     lm_head_chunk_size: int | None = None
     """Tokens per chunk of the fused LM-head loss; ``None`` sizes it from the vocab."""
@@ -62,7 +65,9 @@ class BurstConfig:
         unknown = [p for p in self.disable_passes if p not in PASS_ORDER]
         if unknown:
             raise ValueError(f"disable_passes: unknown pass name(s) {unknown}; passes are {list(PASS_ORDER)}")
-        for name in ("keep_logits", "reduce_grads", "check_inputs", "replay_checkpoint_side_effects", "fullgraph"):
+        if self.keep_logits not in (None, True, False):
+            raise ValueError(f"option 'keep_logits' must be None or a bool, got {self.keep_logits!r}")
+        for name in ("reduce_grads", "check_inputs", "replay_checkpoint_side_effects", "fullgraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic not in (None, True, False):

@@ -18,8 +18,9 @@ two, so that it is the same product) and a tanh soft-cap (``c * tanh(x / c)``). 
 weights, legacy ``size_average``/``reduce``), or a class dim other than the last: the candidate is
 skipped with its reason.
 
-Logits that are only returned as a graph output are dropped (``None`` is returned in their place)
-unless ``keep_logits=True``; logits that anything else uses are kept, and the report says so.
+Logits that are only returned as a graph output are dropped (``None`` is returned in their place) in a
+graph compiled for training, kept in one compiled under no_grad (evaluation), or as ``keep_logits``
+says; logits that anything else uses are kept, and the report says so.
 """
 from __future__ import annotations
 
@@ -325,6 +326,8 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         elif output_node in logits_users:
             if config.keep_logits:
                 logits_note = "kept: keep_logits=True"
+            elif config.keep_logits is None and not torch.is_grad_enabled():
+                logits_note = "kept: compiled without gradients (evaluation; keep_logits=False drops them)"
             else:
                 drop_from_outputs.append(match.linear_node)
                 logits_note = "dropped: returned as None (keep_logits=True keeps them)"

@@ -103,6 +103,8 @@ def test_torchtitan_llama():
 
 
 def test_inference_forward_only():
+    """Under no_grad (evaluation) the loss is fused and the logits come back by default, as eager's; the same
+    compiled model then trains with the logits dropped (Dynamo guards on grad mode: a second graph)."""
     model = tiny_hf_llama(layers=1)
     ids = torch.randint(0, 211, (2, 16))
     cmodel = burstc.compile(model, backend="aot_eager")
@@ -110,9 +112,31 @@ def test_inference_forward_only():
         out = cmodel(input_ids=ids, labels=ids, use_cache=False)
         ref = model(input_ids=ids, labels=ids, use_cache=False)
     torch.testing.assert_close(out.loss, ref.loss)
+    assert out.logits is not None
+    torch.testing.assert_close(out.logits, ref.logits)
     rep = burstc.report(cmodel)
     assert [r.kind for r in rep.rewrites] == ["lm_head_loss"]
+    assert rep.rewrites[0].logits.startswith("kept: compiled without gradients")
     assert "backward" not in rep.graphs
+
+    train_out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+    assert train_out.logits is None
+    train_out.loss.backward()
+    torch.testing.assert_close(train_out.loss, ref.loss)
+    rep = burstc.report(cmodel)
+    assert [r.logits.split(":")[0] for r in rep.rewrites] == ["kept", "dropped"]
+    assert "backward" in rep.graph_records[1].graphs
+
+
+def test_inference_keep_logits_false_drops_them():
+    model = tiny_hf_llama(layers=1)
+    ids = torch.randint(0, 211, (1, 12))
+    cmodel = burstc.compile(model, backend="aot_eager", keep_logits=False)
+    with torch.inference_mode():
+        out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+        ref = model(input_ids=ids, labels=ids, use_cache=False)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss)
 
 
 class _PerTokenLossLM(torch.nn.Module):

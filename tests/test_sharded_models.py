@@ -185,6 +185,29 @@ def test_kept_logits_are_gathered_full_and_differentiable(workers):
         assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-4, (logits_err, loss_err, grad_err)
 
 
+def _evaluation_logits(rank, world_size):
+    """HF Llama evaluated under no_grad on the mesh: the default keeps the logits (gathered, full)."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = zoo.hf_llama()
+    ids = zoo.hf_inputs()
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids, use_cache=False)
+        cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager")
+        out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+    kinds = [r.kind for r in burstc.report(cmodel).rewrites]
+    return float((out.logits - ref.logits).abs().max()), float((out.loss - ref.loss).abs()), kinds
+
+
+def test_evaluation_keeps_logits_on_the_mesh(workers):
+    pytest.importorskip("transformers")
+    for logits_err, loss_err, kinds in workers.get(2).run(_evaluation_logits):
+        assert kinds.count("lm_head_loss") == 1 and kinds.count("shard") == 1, kinds
+        assert logits_err < 1e-5 and loss_err < 1e-5, (logits_err, loss_err)
+
+
 def _shard_rewrites(results):
     return [kind for kind, _ in results[0]["rewrites"]]
 
