@@ -31,6 +31,26 @@ def _world_size_of(mesh) -> int:
     return mesh.size()
 
 
+@torch.no_grad()
+def broadcast_module_states(model: torch.nn.Module, mesh) -> None:
+    """Parameters and buffers (each tied tensor once) from the mesh's first rank to the others."""
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    seen = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
+        if id(local) in seen or local.numel() == 0:
+            continue
+        seen.add(id(local))
+        if local.is_contiguous():
+            dist.broadcast(local.data, group_src=0, group=group)
+        else:  # collectives take contiguous tensors only
+            staged = local.detach().contiguous()
+            dist.broadcast(staged, group_src=0, group=group)
+            local.data.copy_(staged)
+
+
 def compile(model, mesh=None, **options):
     """Compile an unmodified causal LM (or any module / function) with burstc's passes.
 
@@ -40,6 +60,8 @@ def compile(model, mesh=None, **options):
     """
     config = BurstConfig.from_options(options)
     world_size = _world_size_of(mesh)
+    if world_size > 1 and config.sync_module_states and isinstance(model, torch.nn.Module):
+        broadcast_module_states(model, mesh)
     report = Report(config, world_size=world_size)
     backend = BurstBackend(config, report, mesh=mesh, world_size=world_size)
     # torch._dynamo.optimize is what torch.compile calls; torch.compile would wrap the backend in an object

@@ -35,14 +35,16 @@ def _reinsert_dropped(outputs, dropped: tuple[int, ...]):
 
 
 def check_same_inputs_on_all_ranks(tensors, mesh):
-    """``check_inputs=True``: one all-reduce of a cheap position-weighted hash of the token inputs;
-    ranks given different batches get a clear error instead of a silently wrong loss."""
+    """``check_inputs``: all-reduces (max of the hash and of its negation) of a cheap position-weighted hash of
+    the token inputs; ranks given different batches get a clear error instead of a silently wrong loss.
+    The digest lives on the inputs' device (NCCL reduces only GPU tensors)."""
     import torch.distributed as dist
 
-    digest = torch.zeros(2, dtype=torch.float64)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    digest = torch.zeros(2, dtype=torch.float64, device=device)
     for t in tensors:
         flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64) % 7919 + 1
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 7919 + 1
         digest[0] += (flat * weights).sum()
         digest[1] += flat.numel()
     group = mesh.get_group()
@@ -51,8 +53,9 @@ def check_same_inputs_on_all_ranks(tensors, mesh):
     dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(high, -low):
         raise RuntimeError(
-            "burstc: the ranks were given different batches (check_inputs=True): every rank must get "
-            "the full, identical batch; burstc shards the sequence itself")
+            "burstc: the ranks were given different batches: every rank must get the full, identical batch "
+            "(no DistributedSampler over the sequence-parallel ranks); burstc shards the sequence itself. "
+            "check_inputs=False turns this check off")
 
 
 def _tracing_config(config: BurstConfig):
@@ -173,7 +176,7 @@ class BurstBackend:
         """Lower ``gm``; wrap it to check the inputs and put back the outputs the passes dropped."""
         compiled = self._lower(gm, example_inputs, record)
         dropped = record.dropped_outputs
-        check_positions = self._token_input_positions(gm) if self._checks_inputs() else []
+        check_positions = self._token_input_positions(gm) if self._checks_inputs(record) else []
         if not dropped and not check_positions:
             return compiled
 
@@ -187,8 +190,9 @@ class BurstBackend:
 
         return run
 
-    def _checks_inputs(self) -> bool:
-        return self.config.check_inputs and self.world_size > 1
+    def _checks_inputs(self, record) -> bool:
+        # an unsharded (replicated) graph computes each rank's own batch correctly: nothing to check
+        return self.config.check_inputs and self.world_size > 1 and self._sharded(record.graph_id)
 
     @staticmethod
     def _token_input_positions(gm) -> list[int]:

@@ -37,8 +37,15 @@ class BurstConfig:
     reduce_grads: bool = True
     """Sum parameter gradients over the sequence mesh inside the compiled backward."""
 
-    check_inputs: bool = False
-    """Check (one cheap all-reduce of a hash) that every rank got the same batch."""
+    check_inputs: bool = True
+    """On a mesh, every call of a sharded graph checks that all ranks got the same batch (two all-reduces of
+    a 2-float hash of the integer inputs): a rank fed its own batch (a ``DistributedSampler`` habit) gets a
+    clear error instead of a silently wrong loss.  ``False`` skips the check."""
+
+    sync_module_states: bool = True
+    """On a mesh, ``burstc.compile`` broadcasts the module's parameters and buffers from the mesh's first
+    rank, as DDP does at construction (and FSDP with ``sync_module_states=True``): ranks that initialized
+    the model with different random seeds would otherwise compute one sharded forward from mixed weights."""
 
     replay_checkpoint_side_effects: bool = False
     """A Python side effect inside a checkpointed region (HF's kernelized layers set a global in every
@@ -67,7 +74,7 @@ class BurstConfig:
             raise ValueError(f"disable_passes: unknown pass name(s) {unknown}; passes are {list(PASS_ORDER)}")
         if self.keep_logits not in (None, True, False):
             raise ValueError(f"option 'keep_logits' must be None or a bool, got {self.keep_logits!r}")
-        for name in ("reduce_grads", "check_inputs", "replay_checkpoint_side_effects", "fullgraph"):
+        for name in ("reduce_grads", "check_inputs", "sync_module_states", "replay_checkpoint_side_effects", "fullgraph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic not in (None, True, False):

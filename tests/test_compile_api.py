@@ -28,6 +28,8 @@ def test_unknown_option_is_value_error_naming_it():
     ("layout", "spiral", "layout"),
     ("attention_plan", "fast", "attention_plan"),
     ("keep_logits", "yes", "keep_logits"),
+    ("check_inputs", None, "check_inputs"),
+    ("sync_module_states", 1, "sync_module_states"),
     ("lm_head_chunk_size", 0, "lm_head_chunk_size"),
     ("lm_head_chunk_size", 2.5, "lm_head_chunk_size"),
     ("disable_passes", ["no_such_pass"], "disable_passes"),

@@ -137,13 +137,39 @@ def test_length_that_padding_cannot_fix_is_a_clear_error(workers):
     assert all("not a multiple of 8" in m and "causal" in m for m in messages), messages
 
 
-def _different_batches(rank, world_size):
+def _differently_initialized(rank, world_size, **options):
+    """Every rank builds the model from its own seed (no torch.manual_seed shared): burstc.compile takes
+    rank 0's weights, as DDP does; with sync_module_states=False the ranks keep their own."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = zoo.titan_llama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * rank)
+    tokens, labels = zoo.titan_inputs()
+    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager", **options)
+    loss = cmodel(tokens, labels)
+    reference = zoo.titan_llama()(tokens, labels)  # rank 0's weights (offset 0)
+    return float((loss - reference).abs())
+
+
+def test_compile_takes_the_first_ranks_weights(workers):
+    errors = workers.get(2).run(_differently_initialized)
+    assert max(errors) < 1e-5, errors
+    # the check that it is the broadcast that fixes it: without it the mixed weights give another loss
+    unsynced = workers.get(2).run(_differently_initialized, sync_module_states=False)
+    assert max(unsynced) > 1e-4, unsynced
+
+
+def _different_batches(rank, world_size, **options):
     import burstc
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
     cmodel = burstc.compile(zoo.titan_llama(), init_device_mesh("cpu", (world_size,)), backend="aot_eager",
-                            check_inputs=True)
+                            **options)
     tokens, labels = zoo.titan_inputs()
     if rank == 1:
         tokens = (tokens + 1) % 97
@@ -155,8 +181,10 @@ def _different_batches(rank, world_size):
 
 
 def test_check_inputs_detects_different_batches(workers):
+    # on by default: a rank fed its own batch is an error, not a silently wrong loss
     messages = workers.get(2).run(_different_batches)
     assert all("different batches" in m for m in messages), messages
+    assert workers.get(2).run(_different_batches, check_inputs=False) == ["no error", "no error"]
 
 
 def _kept_logits(rank, world_size):
