@@ -10,6 +10,10 @@ After::
 
     loss = burstc.ops.linear_cross_entropy(hidden_BSH, lm_head_weight, labels_N, ...)
 
+The loss may also be written ``nll_loss(log_softmax(logits, dim=-1), labels)`` (what ``cross_entropy``
+computes, and how older code spells it); reshapes that keep the vocab dim last and upcasts may stand
+between the two.  The log-probabilities must have no other use.
+
 What may stand between the linear and the loss: ``float``/``to(float32)`` upcasts, ``contiguous``,
 reshapes that keep the vocab dim last (they only regroup tokens, so token order is preserved),
 token slicing (``logits[..., :-1, :]``, applied to the hidden states instead), a constant scale of
@@ -47,6 +51,8 @@ from burstc.passes.graph_utils import val as _val
 
 KIND = "lm_head_loss"
 _CROSS_ENTROPY_TARGETS = (F.cross_entropy,)
+_NLL_TARGETS = (F.nll_loss,)
+_LOG_SOFTMAX_TARGETS = (F.log_softmax, torch.log_softmax)
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 _RESHAPE_METHODS = ("view", "reshape", "flatten")
 _RESHAPE_FUNCTIONS = (torch.reshape, torch.flatten)
@@ -191,7 +197,7 @@ def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
     matches = []
     writes = position = None
     for node in gm.graph.nodes:
-        if not _is_function(node, *_CROSS_ENTROPY_TARGETS):
+        if not _is_function(node, *_CROSS_ENTROPY_TARGETS, *_NLL_TARGETS):
             continue
         try:
             match = _match_one(node)
@@ -222,12 +228,53 @@ def _check_no_lost_writes(match: LMHeadLossMatch, writes, position) -> None:
             raise _Refuse(f"an input of the LM head is modified in place (`{op.name}`) before the loss")
 
 
+def _log_softmax_source(nll_input: fx.Node):
+    """``nll_loss``'s input back to the ``log_softmax`` over the vocab dim: (logits, nodes in between, inclusive).
+
+    Only ops that commute with a log-softmax over the last dim may follow it (reshapes keeping that dim,
+    ``contiguous``, an fp32 upcast), and each must have no other user: the fused op replaces them all."""
+    between, node = [], nll_input
+    while True:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            raise _Refuse("nll_loss input is not a log_softmax computed in this graph")
+        if len(node.users) != 1:
+            raise _Refuse(f"the log-probabilities (`{node.name}`) have another use besides nll_loss")
+        between.append(node)
+        is_log_softmax = _is_function(node, *_LOG_SOFTMAX_TARGETS) or _is_method(node, "log_softmax")
+        if is_log_softmax:
+            kw = _normalized_kwargs(node) if node.op == "call_function" else None
+            if kw is None:  # the method form (or an unnormalizable call): (input, dim, dtype)
+                kw = dict(zip(("input", "dim", "dtype"), node.args), **node.kwargs)
+            source, dim, dtype = kw.get("input"), kw.get("dim"), kw.get("dtype")
+            source_val = _val(source)
+            if source_val is None or not isinstance(dim, int) or dim not in (-1, source_val.dim() - 1):
+                raise _Refuse(f"log_softmax at `{node.name}` is not over the last (vocab) dim")
+            if dtype not in (None, torch.float32):
+                raise _Refuse(f"log_softmax at `{node.name}` computes in {dtype}; the fused loss computes in float32")
+            return source, between
+        if _is_method(node, "float", "contiguous"):
+            node = node.args[0]
+            continue
+        if _is_method(node, "to") and any(a is torch.float32 for a in [*node.args[1:], *node.kwargs.values()]):
+            node = node.args[0]
+            continue
+        if _is_method(node, *_RESHAPE_METHODS) or _is_function(node, *_RESHAPE_FUNCTIONS):
+            val, src_val = _val(node), _val(node.args[0])
+            if val is None or src_val is None or val.shape[-1] != src_val.shape[-1]:
+                raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim of the log-probabilities")
+            node = node.args[0]
+            continue
+        raise _Refuse(f"nll_loss input is not a log_softmax of the logits (it comes from `{node.name}`)")
+
+
 def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
+    is_nll = _is_function(loss_node, *_NLL_TARGETS)
+    loss_name = "nll_loss" if is_nll else "cross_entropy"
     kw = _normalized_kwargs(loss_node)
     if kw is None:
-        raise _Refuse("could not normalize the cross_entropy call")
+        raise _Refuse(f"could not normalize the {loss_name} call")
     if kw.get("weight") is not None:
-        raise _Refuse("cross_entropy with class weights is not fused (not reproduced exactly)")
+        raise _Refuse(f"{loss_name} with class weights is not fused (not reproduced exactly)")
     if kw.get("size_average") is not None or kw.get("reduce") is not None:
         raise _Refuse("legacy size_average/reduce arguments")
     reduction = kw.get("reduction", "mean")
@@ -240,13 +287,17 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     ce_input, target = kw["input"], kw["target"]
     in_val, target_val = _val(ce_input), _val(target)
     if in_val is None or target_val is None:
-        raise _Refuse("no shape information on the cross_entropy inputs")
+        raise _Refuse(f"no shape information on the {loss_name} inputs")
     if in_val.dim() != 2 or target_val.dim() != 1:
-        raise _Refuse(f"cross_entropy input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
+        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
     if target_val.dtype not in (torch.int64, torch.int32):
         raise _Refuse("targets are class probabilities, not indices")
 
+    log_prob_nodes = []
+    if is_nll:  # nll_loss(log_softmax(x)) is cross_entropy(x): fuse from the log-softmax's input
+        ce_input, log_prob_nodes = _log_softmax_source(ce_input)
     linear, chain, slices, softcap, logit_scale = _walk_to_linear(ce_input, in_val.shape[-1])
+    chain = log_prob_nodes + chain
     hidden, weight = linear.args[0], linear.args[1]
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     weight_val = _val(weight)

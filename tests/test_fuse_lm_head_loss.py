@@ -88,7 +88,25 @@ def granite_divided(m, h, y):
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
 
 
+def nll_of_log_softmax(m, h, y):
+    # cross_entropy spelled out, as older code writes it
+    return F.nll_loss(F.log_softmax(m.lm_head(h).view(-1, V), dim=-1), y.view(-1))
+
+
+def nll_upcast_log_softmax_then_view(m, h, y):
+    log_probs = torch.log_softmax(m.lm_head(h).float(), -1).view(-1, V)
+    return F.nll_loss(log_probs, y.view(-1), reduction="sum")
+
+
+def nll_method_log_softmax_none(m, h, y):
+    per_token = F.nll_loss(m.lm_head(h).log_softmax(dim=-1).flatten(0, 1), y.flatten(0, 1), reduction="none")
+    return (per_token * torch.linspace(0.0, 1.0, per_token.numel())).sum()
+
+
 REWRITTEN = {
+    "nll_log_softmax": (nll_of_log_softmax, True),
+    "nll_upcast_log_softmax_view": (nll_upcast_log_softmax_then_view, False),
+    "nll_method_log_softmax_none": (nll_method_log_softmax_none, False),
     "cohere_scale": (cohere_scaled, True),
     "granite_divisor_softcap": (granite_divided, False),
     "nanogpt": (nanogpt_style, False),
@@ -124,7 +142,7 @@ def test_pattern_is_rewritten_once_and_matches_eager(name):
     assert [r.kind for r in rep.rewrites] == ["lm_head_loss"], str(rep)
     assert rep.rewrites[0].module_path == "lm_head"
     rewritten = rep.graphs["rewritten"]
-    assert sum(n.target is F.cross_entropy for n in rewritten.graph.nodes) == 0
+    assert sum(n.target in (F.cross_entropy, F.nll_loss) for n in rewritten.graph.nodes) == 0
     assert not any(n.target in (torch._C._nn.linear,) and n.args[1].name.endswith("lm_head_parameters_weight_")
                    for n in rewritten.graph.nodes if n.op == "call_function"), "the LM-head matmul should be gone"
 
@@ -233,7 +251,28 @@ def reshape_vocab(m, h, y):
     return F.cross_entropy(logits.reshape(-1, V // 1).reshape(-1, 1, V).squeeze(1)[:, : V - 3], y.view(-1) % (V - 3))
 
 
+def log_probs_used_elsewhere(m, h, y):
+    log_probs = F.log_softmax(m.lm_head(h).view(-1, V), dim=-1)
+    return F.nll_loss(log_probs, y.view(-1)) - 1e-3 * log_probs.mean()
+
+
+def log_softmax_over_tokens(m, h, y):
+    return F.nll_loss(F.log_softmax(m.lm_head(h).view(-1, V), dim=0), y.view(-1))
+
+
+def nll_class_weights(m, h, y):
+    return F.nll_loss(F.log_softmax(m.lm_head(h).view(-1, V), -1), y.view(-1), weight=torch.linspace(0.5, 1.5, V))
+
+
+def nll_without_log_softmax(m, h, y):
+    return F.nll_loss(m.lm_head(h).view(-1, V), y.view(-1))
+
+
 REFUSED = {
+    "log_probs_used_elsewhere": (log_probs_used_elsewhere, "another use besides nll_loss"),
+    "log_softmax_over_tokens": (log_softmax_over_tokens, "not over the last"),
+    "nll_class_weights": (nll_class_weights, "nll_loss with class weights"),
+    "nll_without_log_softmax": (nll_without_log_softmax, "not a log_softmax"),
     "class_weights": (class_weights, "class weights"),
     "scaled_after_upcast": (scaled_after_upcast, "not directly on the lm_head output"),
     "divided_by_three": (divided_by_three, "power-of-two divisor"),
