@@ -12,14 +12,15 @@ After::
 
 The loss may also be written ``nll_loss(log_softmax(logits, dim=-1), labels)`` (what ``cross_entropy``
 computes, and how older code spells it); reshapes that keep the vocab dim last and upcasts may stand
-between the two.  The log-probabilities must have no other use.
+between the two.  The log-probabilities must have no other use.  CE's sequence layout, the logits
+transposed to ``[B, V, S]`` with ``[B, S]`` targets, is the same loss and is fused too.
 
 What may stand between the linear and the loss: ``float``/``to(float32)`` upcasts, ``contiguous``,
 reshapes that keep the vocab dim last (they only regroup tokens, so token order is preserved),
 token slicing (``logits[..., :-1, :]``, applied to the hidden states instead), a constant scale of
 the linear's output (Cohere's ``logits * s``; Granite's ``logits / d`` when 1 / d is exact, a power of
 two, so that it is the same product) and a tanh soft-cap (``c * tanh(x / c)``).  Anything else, a loss option the fused op can't reproduce exactly (class
-weights, legacy ``size_average``/``reduce``), or a class dim other than the last: the candidate is
+weights, legacy ``size_average``/``reduce``), or a class dim other than the vocab: the candidate is
 skipped with its reason.
 
 Logits that are only returned as a graph output are dropped (``None`` is returned in their place) in a
@@ -267,6 +268,22 @@ def _log_softmax_source(nll_input: fx.Node):
         raise _Refuse(f"nll_loss input is not a log_softmax of the logits (it comes from `{node.name}`)")
 
 
+def _untransposed_logits(ce_input: fx.Node) -> fx.Node | None:
+    """``x`` when ``ce_input`` is ``x.transpose(1, 2)`` / ``x.permute(0, 2, 1)`` of a 3-D ``x``, else None."""
+    if not isinstance(ce_input, fx.Node) or _val(ce_input.args[0] if ce_input.args else None) is None:
+        return None
+    dims = None
+    if _is_method(ce_input, "transpose") or _is_function(ce_input, torch.transpose):
+        dims = sorted(d % 3 for d in ce_input.args[1:3]) if len(ce_input.args) == 3 else None
+        dims = [0, 2, 1] if dims == [1, 2] else None
+    elif _is_method(ce_input, "permute") or _is_function(ce_input, torch.permute):
+        order = ce_input.args[1] if len(ce_input.args) == 2 else ce_input.args[1:]
+        dims = [d % 3 for d in order] if all(isinstance(d, int) for d in order) else None
+    if dims != [0, 2, 1] or len(ce_input.users) != 1:
+        return None
+    return ce_input.args[0]
+
+
 def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     is_nll = _is_function(loss_node, *_NLL_TARGETS)
     loss_name = "nll_loss" if is_nll else "cross_entropy"
@@ -288,12 +305,24 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     in_val, target_val = _val(ce_input), _val(target)
     if in_val is None or target_val is None:
         raise _Refuse(f"no shape information on the {loss_name} inputs")
-    if in_val.dim() != 2 or target_val.dim() != 1:
-        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
     if target_val.dtype not in (torch.int64, torch.int32):
         raise _Refuse("targets are class probabilities, not indices")
+    if target_val.dim() != in_val.dim() - 1:
+        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with targets of shape "
+                      f"{tuple(target_val.shape)} (the fused loss needs [tokens, vocab] and [tokens])")
+    log_prob_nodes = []  # nodes between the loss and the logits that the walk below does not see
+    if in_val.dim() == 3 and not is_nll:
+        # [B, V, S] with the classes in dim 1, the layout CE wants for sequences: fine when it is the
+        # [B, S, V] logits transposed (each (b, s) is still one token); the target is [B, S] then
+        transposed, ce_input = ce_input, _untransposed_logits(ce_input)
+        if ce_input is None:
+            raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with classes in dim 1 that is not the "
+                          "transposed [B, S, vocab] logits")
+        log_prob_nodes = [transposed]
+        in_val = _val(ce_input)
+    elif in_val.dim() != 2:
+        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
 
-    log_prob_nodes = []
     if is_nll:  # nll_loss(log_softmax(x)) is cross_entropy(x): fuse from the log-softmax's input
         ce_input, log_prob_nodes = _log_softmax_source(ce_input)
     linear, chain, slices, softcap, logit_scale = _walk_to_linear(ce_input, in_val.shape[-1])

@@ -88,6 +88,16 @@ def granite_divided(m, h, y):
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
 
 
+def classes_in_dim_one(m, h, y):
+    # CE's [B, classes, S] layout: the [B, S, V] logits transposed, targets [B, S]
+    return F.cross_entropy(m.lm_head(h).transpose(1, 2), y)
+
+
+def classes_in_dim_one_permuted_none(m, h, y):
+    per_token_BS = F.cross_entropy(m.lm_head(h).float().permute(0, 2, 1), y, reduction="none")
+    return (per_token_BS * torch.arange(per_token_BS.shape[1])).sum()
+
+
 def nll_of_log_softmax(m, h, y):
     # cross_entropy spelled out, as older code writes it
     return F.nll_loss(F.log_softmax(m.lm_head(h).view(-1, V), dim=-1), y.view(-1))
@@ -104,6 +114,8 @@ def nll_method_log_softmax_none(m, h, y):
 
 
 REWRITTEN = {
+    "classes_in_dim_one": (classes_in_dim_one, False),
+    "classes_in_dim_one_permuted_none": (classes_in_dim_one_permuted_none, True),
     "nll_log_softmax": (nll_of_log_softmax, True),
     "nll_upcast_log_softmax_view": (nll_upcast_log_softmax_then_view, False),
     "nll_method_log_softmax_none": (nll_method_log_softmax_none, False),
@@ -233,9 +245,10 @@ def scaled_by_tensor(m, h, y):
     return F.cross_entropy((m.lm_head(h) * h.new_tensor(0.5)).view(-1, V), y.view(-1))
 
 
-def class_dim_one(m, h, y):
-    # [B, S, V] -> CE treats dim 1 (S) as the classes after a transpose: not the LM-loss layout
-    return F.cross_entropy(m.lm_head(h).transpose(1, 2), y)
+def sequence_as_classes(m, h, y):
+    # [B, S, V] straight into CE: dim 1 (S) is the class dim, the targets index positions: not an LM loss
+    positions_BV = (torch.arange(V) % h.shape[1]).expand(h.shape[0], V)
+    return F.cross_entropy(m.lm_head(h), positions_BV)
 
 
 def float64_upcast(m, h, y):
@@ -277,7 +290,7 @@ REFUSED = {
     "scaled_after_upcast": (scaled_after_upcast, "not directly on the lm_head output"),
     "divided_by_three": (divided_by_three, "power-of-two divisor"),
     "scaled_by_tensor": (scaled_by_tensor, "op `mul`"),
-    "class_dim_one": (class_dim_one, r"needs \[tokens, vocab\]"),
+    "sequence_as_classes": (sequence_as_classes, "classes in dim 1 that is not the transposed"),
     "float64_upcast": (float64_upcast, "double|float64"),
     "matmul_head": (matmul_head, "op `matmul`"),
     "reshape_vocab": (reshape_vocab, "not supported|indexes the logits|reshapes the vocab"),
