@@ -23,7 +23,8 @@ two, so that it is the same product) and a tanh soft-cap (``c * tanh(x / c)``). 
 weights, legacy ``size_average``/``reduce``), or a class dim other than the vocab: the candidate is
 skipped with its reason.
 
-Logits that are only returned as a graph output are dropped (``None`` is returned in their place) in a
+Logits that are only returned as a graph output (raw, or as scaled, soft-capped or upcast on their way to
+the loss: Gemma-2, Cohere and Granite return those) are dropped (``None`` is returned in their place) in a
 graph compiled for training, kept in one compiled under no_grad (evaluation), or as ``keep_logits``
 says; logits that anything else uses are kept, and the report says so.
 """
@@ -112,7 +113,10 @@ def _softcap_of(node: fx.Node):
     if not (isinstance(div_node, fx.Node) and _is_function(div_node, operator.truediv)
             and isinstance(div_node.args[0], fx.Node) and _const(div_node.args[1]) == cap):
         return None
-    return float(cap), div_node.args[0], [tanh_node, div_node]
+    if _const(cap) == 0:
+        raise _Refuse("logits soft-capped with c = 0 (x / 0)")
+    # c * tanh(x / c) is the same function for -c (tanh is odd): the op takes the positive cap
+    return abs(float(cap)), div_node.args[0], [tanh_node, div_node]
 
 
 def _logit_scale_of(node: fx.Node):
@@ -156,9 +160,13 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             node = node.args[0]
             continue
         if _is_method(node, "to", "type"):
-            dtypes = [a for a in list(node.args[1:]) + list(node.kwargs.values()) if isinstance(a, torch.dtype)]
-            if dtypes and dtypes[0] not in (torch.float32,):
-                raise _Refuse(f"logits are cast to {dtypes[0]} before the loss; the fused loss computes in float32")
+            # judged from the values (``.to(other_tensor)`` carries its dtype in a tensor): an fp32 upcast or a
+            # no-op on the same device passes; anything else changes what the loss sees
+            src_val = _val(node.args[0])
+            if val is None or src_val is None or val.device != src_val.device:
+                raise _Refuse(f"`{node.name}` moves the logits to another device before the loss")
+            if val.dtype not in (torch.float32, src_val.dtype):
+                raise _Refuse(f"logits are cast to {val.dtype} before the loss; the fused loss computes in float32")
             node = node.args[0]
             continue
         if _is_method(node, *_RESHAPE_METHODS) or _is_function(node, *_RESHAPE_FUNCTIONS):
@@ -166,6 +174,9 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             src_val = _val(src)
             if val is None or src_val is None or val.shape[-1] != src_val.shape[-1]:
                 raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim")
+            if slices and tuple(val.shape) != tuple(src_val.shape):
+                # the slice indexes the regrouped tokens: applied to the hidden states it would pick others
+                raise _Refuse(f"the logits are sliced after `{node.name}` regroups their tokens")
             node = src
             continue
         if _is_function(node, operator.getitem):
@@ -305,8 +316,10 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     in_val, target_val = _val(ce_input), _val(target)
     if in_val is None or target_val is None:
         raise _Refuse(f"no shape information on the {loss_name} inputs")
-    if target_val.dtype not in (torch.int64, torch.int32):
+    if target_val.is_floating_point():
         raise _Refuse("targets are class probabilities, not indices")
+    if target_val.dtype != torch.int64:
+        raise _Refuse(f"targets are {target_val.dtype}: {loss_name} takes int64 class indices (eager raises)")
     if target_val.dim() != in_val.dim() - 1:
         raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with targets of shape "
                       f"{tuple(target_val.shape)} (the fused loss needs [tokens, vocab] and [tokens])")
@@ -363,8 +376,13 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     for match in find_lm_head_losses(gm, context):
         graph = gm.graph
         chain_nodes = set(match.chain)
-        logits_users = [u for u in match.linear_node.users if u not in chain_nodes]
-        other_users = [u for u in logits_users if u is not output_node]
+        # the logits and every value on the way to the loss (upcast, soft-capped, scaled: Gemma-2, Cohere and
+        # Granite return those) that something besides the loss chain uses
+        logits_values = [match.linear_node, *match.chain]
+        used_outside = [n for n in logits_values
+                        if any(u not in chain_nodes and u is not match.loss_node for u in n.users)]
+        logits_users = [u for n in used_outside for u in n.users if u not in chain_nodes and u is not match.loss_node]
+        other_users = list(dict.fromkeys(u for u in logits_users if u is not output_node))
         hidden_val, weight_val = _val(match.hidden), _val(match.weight)
         vocab, hidden_size = weight_val.shape
         num_tokens = _val(match.target).numel()
@@ -409,7 +427,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             elif config.keep_logits is None and not torch.is_grad_enabled():
                 logits_note = "kept: compiled without gradients (evaluation; keep_logits=False drops them)"
             else:
-                drop_from_outputs.append(match.linear_node)
+                drop_from_outputs.extend(n for n in used_outside if output_node in n.users)
                 logits_note = "dropped: returned as None (keep_logits=True keeps them)"
         context.rewrite(KIND, fused, {
             "tokens": num_tokens, "vocab": vocab, "hidden": hidden_size,

@@ -98,6 +98,11 @@ def classes_in_dim_one_permuted_none(m, h, y):
     return (per_token_BS * torch.arange(per_token_BS.shape[1])).sum()
 
 
+def negative_softcap(m, h, y):
+    # -c * tanh(x / -c) is the c = 5 soft-cap (tanh is odd)
+    return F.cross_entropy((torch.tanh(m.lm_head(h) / -5.0) * -5.0).view(-1, V), y.view(-1))
+
+
 def nll_of_log_softmax(m, h, y):
     # cross_entropy spelled out, as older code writes it
     return F.nll_loss(F.log_softmax(m.lm_head(h).view(-1, V), dim=-1), y.view(-1))
@@ -114,6 +119,7 @@ def nll_method_log_softmax_none(m, h, y):
 
 
 REWRITTEN = {
+    "negative_softcap": (negative_softcap, False),
     "classes_in_dim_one": (classes_in_dim_one, False),
     "classes_in_dim_one_permuted_none": (classes_in_dim_one_permuted_none, True),
     "nll_log_softmax": (nll_of_log_softmax, True),
@@ -202,6 +208,43 @@ def test_logits_only_returned_become_none_by_default():
     assert rep.graph_records[0].dropped_outputs == (1,)
 
 
+class ReturnsTransformedLogits(Head):
+    """Gemma-2 / Cohere return the soft-capped / scaled logits, HF's loss upcasts them."""
+
+    def __init__(self, transform):
+        super().__init__(None)
+        self.transform = transform
+
+    def forward(self, ids, labels):
+        logits = self.transform(self.lm_head(torch.tanh(self.emb(ids))))
+        return F.cross_entropy(logits.float().view(-1, V), labels.view(-1)), logits
+
+
+TRANSFORMS = {
+    "softcap": lambda x: torch.tanh(x / 30.0) * 30.0,
+    "scale": lambda x: x * 0.0625,
+    "upcast": lambda x: x.float(),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+def test_transformed_logits_only_returned_are_dropped_too(transform):
+    model = ReturnsTransformedLogits(TRANSFORMS[transform])
+    ids = torch.randint(0, V, (2, 6))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    loss, logits = cmodel(ids, ids)
+    assert logits is None
+    torch.testing.assert_close(loss, model(ids, ids)[0])
+    rep = burstc.report(cmodel)
+    assert "returned as None" in rep.rewrites[0].logits, rep.rewrites[0].logits
+    forward = rep.graphs["forward"]
+    assert not any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                   for n in forward.graph.nodes), "the [tokens, vocab] logits are still computed"
+    with torch.no_grad():  # evaluation keeps them, transformed as the model returns them
+        _, kept = burstc.compile(model, backend="aot_eager")(ids, ids)
+    torch.testing.assert_close(kept, model(ids, ids)[1])
+
+
 def test_keep_logits_keeps_them():
     model = ReturnsLogits(None)
     ids = torch.randint(0, V, (2, 6))
@@ -281,7 +324,26 @@ def nll_without_log_softmax(m, h, y):
     return F.nll_loss(m.lm_head(h).view(-1, V), y.view(-1))
 
 
+def slice_after_flatten(m, h, y):
+    # a slice of the flattened tokens: on the [B, S, H] hidden states it would index the batch
+    logits = m.lm_head(h).view(-1, V)
+    return F.cross_entropy(logits[::2], y.view(-1)[::2])
+
+
+def shift_after_unflatten(m, h, y):
+    b, s, _ = h.shape
+    logits = m.lm_head(h.reshape(-1, H)).view(b, s, V)[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, V), y[:, 1:].reshape(-1))
+
+
+def cast_like_a_bf16_tensor(m, h, y):
+    return F.cross_entropy(m.lm_head(h).to(torch.zeros((), dtype=torch.bfloat16)).view(-1, V), y.view(-1))
+
+
 REFUSED = {
+    "slice_after_flatten": (slice_after_flatten, "sliced after .* regroups their tokens"),
+    "shift_after_unflatten": (shift_after_unflatten, "sliced after .* regroups their tokens"),
+    "cast_like_a_bf16_tensor": (cast_like_a_bf16_tensor, "cast to torch.bfloat16"),
     "log_probs_used_elsewhere": (log_probs_used_elsewhere, "another use besides nll_loss"),
     "log_softmax_over_tokens": (log_softmax_over_tokens, "not over the last"),
     "nll_class_weights": (nll_class_weights, "nll_loss with class weights"),
