@@ -39,10 +39,14 @@ def broadcast_module_states(model: torch.nn.Module, mesh) -> None:
     group = mesh.get_group()
     seen = set()
     for tensor in [*model.parameters(), *model.buffers()]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
-        if id(local) in seen or local.numel() == 0:
+        # the module's own tensor objects stay alive, so their ids are stable (a DTensor's to_local() is a
+        # fresh object each time: its id could be reused by a later one)
+        if id(tensor) in seen:
             continue
-        seen.add(id(local))
+        seen.add(id(tensor))
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its local shard
+        if local.numel() == 0:
+            continue
         if local.is_contiguous():
             dist.broadcast(local.data, group_src=0, group=group)
         else:  # collectives take contiguous tensors only

@@ -143,6 +143,29 @@ def _logit_scale_of(node: fx.Node):
     return factor, tensor
 
 
+def _vocab_preserving_source(node: fx.Node, what: str) -> fx.Node | None:
+    """The input of ``node`` when it passes ``what`` (logits or log-probabilities) through with the vocab dim
+    last and the values kept (``float``/``contiguous``, an fp32 upcast or a no-op ``to``/``type`` on the same
+    device, a reshape that only regroups tokens); None for any other op.  A cast or reshape that would change
+    what the loss sees is refused."""
+    if not (_is_method(node, "float", "contiguous", "to", "type", *_RESHAPE_METHODS)
+            or _is_function(node, *_RESHAPE_FUNCTIONS)):
+        return None
+    source = node.args[0]
+    val, src_val = _val(node), _val(source)
+    if val is None or src_val is None:
+        raise _Refuse(f"no shape information on `{node.name}`")
+    if _is_method(node, "to", "type"):
+        # judged from the values (``.to(other_tensor)`` carries its dtype in a tensor)
+        if val.device != src_val.device:
+            raise _Refuse(f"`{node.name}` moves the {what} to another device before the loss")
+        if val.dtype not in (torch.float32, src_val.dtype):
+            raise _Refuse(f"{what} are cast to {val.dtype} before the loss; the fused loss computes in float32")
+    elif val.shape[-1] != src_val.shape[-1]:
+        raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim of the {what}")
+    return source
+
+
 def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
     """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap, logit_scale)."""
     chain, slices, softcap, logit_scale = [], [], None, None
@@ -156,28 +179,12 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             raise _Refuse("the logits come from outside this graph (a graph break between the LM head and the loss)")
         val = _val(node)
         chain.append(node)
-        if _is_method(node, "float", "contiguous"):
-            node = node.args[0]
-            continue
-        if _is_method(node, "to", "type"):
-            # judged from the values (``.to(other_tensor)`` carries its dtype in a tensor): an fp32 upcast or a
-            # no-op on the same device passes; anything else changes what the loss sees
-            src_val = _val(node.args[0])
-            if val is None or src_val is None or val.device != src_val.device:
-                raise _Refuse(f"`{node.name}` moves the logits to another device before the loss")
-            if val.dtype not in (torch.float32, src_val.dtype):
-                raise _Refuse(f"logits are cast to {val.dtype} before the loss; the fused loss computes in float32")
-            node = node.args[0]
-            continue
-        if _is_method(node, *_RESHAPE_METHODS) or _is_function(node, *_RESHAPE_FUNCTIONS):
-            src = node.args[0]
-            src_val = _val(src)
-            if val is None or src_val is None or val.shape[-1] != src_val.shape[-1]:
-                raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim")
-            if slices and tuple(val.shape) != tuple(src_val.shape):
+        source = _vocab_preserving_source(node, "logits")
+        if source is not None:
+            if slices and tuple(val.shape) != tuple(_val(source).shape):
                 # the slice indexes the regrouped tokens: applied to the hidden states it would pick others
                 raise _Refuse(f"the logits are sliced after `{node.name}` regroups their tokens")
-            node = src
+            node = source
             continue
         if _is_function(node, operator.getitem):
             src_val = _val(node.args[0])
@@ -243,8 +250,8 @@ def _check_no_lost_writes(match: LMHeadLossMatch, writes, position) -> None:
 def _log_softmax_source(nll_input: fx.Node):
     """``nll_loss``'s input back to the ``log_softmax`` over the vocab dim: (logits, nodes in between, inclusive).
 
-    Only ops that commute with a log-softmax over the last dim may follow it (reshapes keeping that dim,
-    ``contiguous``, an fp32 upcast), and each must have no other user: the fused op replaces them all."""
+    Only ops that commute with a log-softmax over the last dim may follow it (``_vocab_preserving_source``),
+    and each must have no other user: the fused op replaces them all."""
     between, node = [], nll_input
     while True:
         if not isinstance(node, fx.Node) or node.op == "placeholder":
@@ -264,33 +271,27 @@ def _log_softmax_source(nll_input: fx.Node):
             if dtype not in (None, torch.float32):
                 raise _Refuse(f"log_softmax at `{node.name}` computes in {dtype}; the fused loss computes in float32")
             return source, between
-        if _is_method(node, "float", "contiguous"):
-            node = node.args[0]
-            continue
-        if _is_method(node, "to") and any(a is torch.float32 for a in [*node.args[1:], *node.kwargs.values()]):
-            node = node.args[0]
-            continue
-        if _is_method(node, *_RESHAPE_METHODS) or _is_function(node, *_RESHAPE_FUNCTIONS):
-            val, src_val = _val(node), _val(node.args[0])
-            if val is None or src_val is None or val.shape[-1] != src_val.shape[-1]:
-                raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim of the log-probabilities")
-            node = node.args[0]
+        source = _vocab_preserving_source(node, "log-probabilities")
+        if source is not None:
+            node = source
             continue
         raise _Refuse(f"nll_loss input is not a log_softmax of the logits (it comes from `{node.name}`)")
 
 
 def _untransposed_logits(ce_input: fx.Node) -> fx.Node | None:
     """``x`` when ``ce_input`` is ``x.transpose(1, 2)`` / ``x.permute(0, 2, 1)`` of a 3-D ``x``, else None."""
-    if not isinstance(ce_input, fx.Node) or _val(ce_input.args[0] if ce_input.args else None) is None:
+    if (not isinstance(ce_input, fx.Node) or len(ce_input.users) != 1
+            or _val(ce_input.args[0] if ce_input.args else None) is None):
         return None
-    dims = None
     if _is_method(ce_input, "transpose") or _is_function(ce_input, torch.transpose):
-        dims = sorted(d % 3 for d in ce_input.args[1:3]) if len(ce_input.args) == 3 else None
-        dims = [0, 2, 1] if dims == [1, 2] else None
+        swapped = sorted(d % 3 for d in ce_input.args[1:3]) if len(ce_input.args) == 3 else None
+        if swapped != [1, 2]:
+            return None
     elif _is_method(ce_input, "permute") or _is_function(ce_input, torch.permute):
         order = ce_input.args[1] if len(ce_input.args) == 2 else ce_input.args[1:]
-        dims = [d % 3 for d in order] if all(isinstance(d, int) for d in order) else None
-    if dims != [0, 2, 1] or len(ce_input.users) != 1:
+        if not all(isinstance(d, int) for d in order) or [d % 3 for d in order] != [0, 2, 1]:
+            return None
+    else:
         return None
     return ce_input.args[0]
 
@@ -323,7 +324,7 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     if target_val.dim() != in_val.dim() - 1:
         raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with targets of shape "
                       f"{tuple(target_val.shape)} (the fused loss needs [tokens, vocab] and [tokens])")
-    log_prob_nodes = []  # nodes between the loss and the logits that the walk below does not see
+    loss_side_nodes = []  # nodes between the loss and the logits that the walk below does not see
     if in_val.dim() == 3 and not is_nll:
         # [B, V, S] with the classes in dim 1, the layout CE wants for sequences: fine when it is the
         # [B, S, V] logits transposed (each (b, s) is still one token); the target is [B, S] then
@@ -331,15 +332,15 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
         if ce_input is None:
             raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with classes in dim 1 that is not the "
                           "transposed [B, S, vocab] logits")
-        log_prob_nodes = [transposed]
+        loss_side_nodes = [transposed]
         in_val = _val(ce_input)
     elif in_val.dim() != 2:
         raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
 
     if is_nll:  # nll_loss(log_softmax(x)) is cross_entropy(x): fuse from the log-softmax's input
-        ce_input, log_prob_nodes = _log_softmax_source(ce_input)
+        ce_input, loss_side_nodes = _log_softmax_source(ce_input)
     linear, chain, slices, softcap, logit_scale = _walk_to_linear(ce_input, in_val.shape[-1])
-    chain = log_prob_nodes + chain
+    chain = loss_side_nodes + chain
     hidden, weight = linear.args[0], linear.args[1]
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     weight_val = _val(weight)
@@ -378,10 +379,10 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         chain_nodes = set(match.chain)
         # the logits and every value on the way to the loss (upcast, soft-capped, scaled: Gemma-2, Cohere and
         # Granite return those) that something besides the loss chain uses
-        logits_values = [match.linear_node, *match.chain]
-        used_outside = [n for n in logits_values
-                        if any(u not in chain_nodes and u is not match.loss_node for u in n.users)]
-        logits_users = [u for n in used_outside for u in n.users if u not in chain_nodes and u is not match.loss_node]
+        outside_users = {n: [u for u in n.users if u not in chain_nodes and u is not match.loss_node]
+                         for n in [match.linear_node, *match.chain]}
+        used_outside = [n for n, users in outside_users.items() if users]
+        logits_users = [u for users in outside_users.values() for u in users]
         other_users = list(dict.fromkeys(u for u in logits_users if u is not output_node))
         hidden_val, weight_val = _val(match.hidden), _val(match.weight)
         vocab, hidden_size = weight_val.shape
