@@ -38,6 +38,8 @@ class SkipRecord:
     reason: str
     graph_id: int = 0
     pass_name: str = ""
+    code: str = ""
+    """A stable code from :data:`burstc.refusals.ALL_CODES` (tests and tools match it; ``reason`` is for people)."""
 
 
 @dataclass

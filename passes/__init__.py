@@ -64,10 +64,15 @@ class PassContext:
                   module, record.details)
         return record
 
-    def skip(self, kind: str, node: fx.Node | str, reason: str, module: str | None = None):
+    def skip(self, kind: str, node: fx.Node | str, reason: str, module: str | None = None, *, code: str = ""):
+        """Record a candidate not rewritten; ``code`` is a registered :mod:`burstc.refusals` code."""
+        if code:
+            from burstc.refusals import Refusal
+
+            Refusal(code, reason)  # validates the code
         name = node if isinstance(node, str) else node.name
         module = module if module is not None else (module_path(node) if isinstance(node, fx.Node) else "")
-        self.report.skipped.append(SkipRecord(kind, name, module, reason, self.graph_id, self.pass_name))
+        self.report.skipped.append(SkipRecord(kind, name, module, reason, self.graph_id, self.pass_name, code))
         self._skips += 1
         log_event("rewrites", "graph %d: %s skipped %s %s (%s): %s", self.graph_id, self.pass_name, kind, name,
                   module, reason)

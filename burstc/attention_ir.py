@@ -1,0 +1,330 @@
+"""The attention IR: what one attention computes, independent of how the graph spelled it.
+
+Detection (``passes/detect_attention.py``) produces one :class:`AttentionMatch` per attention; the shard
+pass, the planner, the block geometry (``burstc/ops/block_geometry.py``) and the ring op read it.  The
+mask is a :class:`MaskSpec`: an AND of mask terms plus score modifications, so that every kind a model
+uses is one value that can be compared, printed, planned for and handed to a custom op.
+
+Positions are **global** token positions: query ``i`` may attend key ``j`` when every term allows it.
+
+Terms (each is a frozen dataclass; a spec holds at most one of each kind, in canonical order):
+
+- :class:`Causal` — ``j <= i``;
+- :class:`SlidingWindow` ``(left, right)`` — ``i - left <= j <= i + right`` (``None`` = unbounded);
+- :class:`Documents` — ``doc[i] == doc[j]`` with document ids taken from a runtime source (restarting
+  position ids, or a document-id tensor); the ids are data, never a specialization;
+- :class:`KeyPadding` — ``valid[b, j]`` from a runtime source (HF's ``attention_mask``);
+- :class:`FlexMask` — a FlexAttention ``mask_mod`` subgraph, evaluated per block from global positions.
+
+Score modifications (applied to the scaled scores before the softmax, in this order):
+:class:`Alibi` (``s + slope_h * (j - i)``), :class:`SoftCap` (``c * tanh(s / c)``), :class:`FlexScore`.
+
+Today the ring op executes ``full`` and ``causal`` (``MaskSpec.ring_supported``); the other kinds are
+designed here so that recognizing and executing them is an addition (the masks issue), and
+:meth:`MaskSpec.visible` is the plain-torch reference for every static term.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+# -- mask terms ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal:
+    """Query ``i`` sees keys ``j <= i``."""
+
+    def encode(self) -> str:
+        return "causal"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow:
+    """Query ``i`` sees keys ``i - left <= j <= i + right``; ``None`` leaves that side unbounded.
+    HF's ``sliding_window=w`` with causal is ``Causal() & SlidingWindow(w - 1, None)``."""
+
+    left: int | None
+    right: int | None = None
+
+    def __post_init__(self):
+        for side in (self.left, self.right):
+            if side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < 0):
+                raise ValueError(f"SlidingWindow sides must be non-negative ints or None, got {self}")
+
+    def encode(self) -> str:
+        return f"window({_opt(self.left)},{_opt(self.right)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """Query and key must belong to the same document.  ``source`` names the runtime input the ids come
+    from: ``"position_ids"`` (a document starts where the positions restart at 0) or ``"doc_ids"``."""
+
+    source: str
+
+    def encode(self) -> str:
+        return f"documents({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyPadding:
+    """Key ``j`` of batch row ``b`` is visible only where ``valid[b, j]``; ``source`` names the input."""
+
+    source: str
+
+    def encode(self) -> str:
+        return f"key_padding({self.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexMask:
+    """A FlexAttention ``mask_mod``; ``graph`` names the subgraph (a ``get_attr`` target) that computes it."""
+
+    graph: str
+
+    def encode(self) -> str:
+        return f"flex_mask({self.graph})"
+
+
+# -- score modifications ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Alibi:
+    """``s + slopes[h] * (j - i)`` (one slope per query head)."""
+
+    slopes: tuple[float, ...]
+
+    def encode(self) -> str:
+        return "alibi(" + ",".join(repr(float(s)) for s in self.slopes) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftCap:
+    """``cap * tanh(s / cap)`` on the scaled scores (Gemma-2's attention soft-capping)."""
+
+    cap: float
+
+    def __post_init__(self):
+        if not self.cap > 0:
+            raise ValueError(f"SoftCap needs a positive cap, got {self.cap}")
+
+    def encode(self) -> str:
+        return f"softcap({float(self.cap)!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexScore:
+    """A FlexAttention ``score_mod`` subgraph (a ``get_attr`` target)."""
+
+    graph: str
+
+    def encode(self) -> str:
+        return f"flex_score({self.graph})"
+
+
+MaskTerm = Causal | SlidingWindow | Documents | KeyPadding | FlexMask
+ScoreMod = Alibi | SoftCap | FlexScore
+_TERM_ORDER = (Causal, SlidingWindow, Documents, KeyPadding, FlexMask)
+_SCORE_ORDER = (Alibi, SoftCap, FlexScore)
+# terms whose values are known at compile time from positions alone
+_STATIC_TERMS = (Causal, SlidingWindow)
+
+
+def _opt(v: int | None) -> str:
+    return "-" if v is None else str(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+    """An AND of mask terms and a list of score modifications; the empty spec is full attention.
+
+    Build with :meth:`full`, :meth:`causal`, the term constructors and ``&``::
+
+        MaskSpec.causal() & SlidingWindow(4095)          # Mistral's sliding window
+        MaskSpec.causal() & Documents("position_ids")    # packed documents
+    """
+
+    terms: tuple[MaskTerm, ...] = ()
+    score_mods: tuple[ScoreMod, ...] = ()
+
+    def __post_init__(self):
+        kinds = [type(t) for t in self.terms]
+        if any(k not in _TERM_ORDER for k in kinds):
+            raise TypeError(f"unknown mask term in {self.terms}")
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"a MaskSpec holds at most one term of each kind, got {self.terms}")
+        mods = [type(m) for m in self.score_mods]
+        if any(k not in _SCORE_ORDER for k in mods) or len(set(mods)) != len(mods):
+            raise ValueError(f"score modifications must be distinct Alibi/SoftCap/FlexScore, got {self.score_mods}")
+        # canonical order, so that equal specs compare and encode equal
+        object.__setattr__(self, "terms", tuple(sorted(self.terms, key=lambda t: _TERM_ORDER.index(type(t)))))
+        object.__setattr__(self, "score_mods",
+                           tuple(sorted(self.score_mods, key=lambda m: _SCORE_ORDER.index(type(m)))))
+
+    # -- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def full(cls) -> "MaskSpec":
+        return cls()
+
+    @classmethod
+    def causal(cls) -> "MaskSpec":
+        return cls((Causal(),))
+
+    def __and__(self, other: "MaskSpec | MaskTerm | ScoreMod") -> "MaskSpec":
+        if isinstance(other, MaskSpec):
+            return _combine(self, other.terms, other.score_mods)
+        if isinstance(other, _TERM_ORDER):
+            return _combine(self, (other,), ())
+        if isinstance(other, _SCORE_ORDER):
+            return _combine(self, (), (other,))
+        return NotImplemented
+
+    # -- questions the passes and the op ask -----------------------------------------------------------
+    def term(self, kind: type) -> Any:
+        return next((t for t in (*self.terms, *self.score_mods) if isinstance(t, kind)), None)
+
+    @property
+    def is_full(self) -> bool:
+        return not self.terms and not self.score_mods
+
+    @property
+    def is_causal(self) -> bool:
+        """Exactly causal: one :class:`Causal` term and nothing else."""
+        return self.terms == (Causal(),) and not self.score_mods
+
+    @property
+    def ring_supported(self) -> bool:
+        """What the ring op executes today (full or causal)."""
+        return self.is_full or self.is_causal
+
+    @property
+    def runtime_sources(self) -> tuple[str, ...]:
+        """Names of the runtime inputs the mask reads (document ids, key padding)."""
+        return tuple(t.source for t in self.terms if isinstance(t, (Documents, KeyPadding)))
+
+    @property
+    def kind(self) -> str:
+        """One word for reports: ``full``, ``causal``, or the encoding."""
+        if self.is_full:
+            return "full"
+        if self.is_causal:
+            return "causal"
+        return self.encode()
+
+    # -- custom-op argument ----------------------------------------------------------------------------
+    def encode(self) -> str:
+        """A string for custom-op arguments and cache keys; :meth:`decode` inverts it."""
+        parts = [t.encode() for t in self.terms] + [m.encode() for m in self.score_mods]
+        return "&".join(parts) if parts else "full"
+
+    @classmethod
+    def decode(cls, text: str) -> "MaskSpec":
+        if text == "full":
+            return cls()
+        terms, mods = [], []
+        for part in text.split("&"):
+            match = re.fullmatch(r"(\w+)(?:\((.*)\))?", part)
+            if match is None:
+                raise ValueError(f"not a MaskSpec encoding: {text!r}")
+            name, arg = match.group(1), match.group(2)
+            if name == "causal" and arg is None:
+                terms.append(Causal())
+            elif name == "window":
+                left, right = (None if x == "-" else int(x) for x in arg.split(","))
+                terms.append(SlidingWindow(left, right))
+            elif name == "documents":
+                terms.append(Documents(arg))
+            elif name == "key_padding":
+                terms.append(KeyPadding(arg))
+            elif name == "flex_mask":
+                terms.append(FlexMask(arg))
+            elif name == "alibi":
+                mods.append(Alibi(tuple(float(x) for x in arg.split(","))))
+            elif name == "softcap":
+                mods.append(SoftCap(float(arg)))
+            elif name == "flex_score":
+                mods.append(FlexScore(arg))
+            else:
+                raise ValueError(f"unknown MaskSpec term {part!r} in {text!r}")
+        return cls(tuple(terms), tuple(mods))
+
+    def __str__(self) -> str:
+        return self.kind
+
+    # -- the plain-torch reference -----------------------------------------------------------------------
+    def visible(self, q_positions: torch.Tensor, kv_positions: torch.Tensor, *,
+                q_docs: torch.Tensor | None = None, kv_docs: torch.Tensor | None = None,
+                kv_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Bool ``[..., Sq, Skv]``: True where query (global position ``q_positions[i]``) may attend key
+        ``kv_positions[j]``.  Document ids (``q_docs``/``kv_docs``, shaped like the positions or with a
+        leading batch dim) and key validity (``kv_valid``, ``[B, Skv]``) are needed only when the spec
+        has those terms.  A :class:`FlexMask` needs its subgraph: not evaluated here."""
+        qi = q_positions.unsqueeze(-1)
+        kj = kv_positions.unsqueeze(-2)
+        visible = torch.ones(torch.broadcast_shapes(qi.shape, kj.shape), dtype=torch.bool, device=qi.device)
+        for term in self.terms:
+            if isinstance(term, Causal):
+                visible = visible & (kj <= qi)
+            elif isinstance(term, SlidingWindow):
+                if term.left is not None:
+                    visible = visible & (kj >= qi - term.left)
+                if term.right is not None:
+                    visible = visible & (kj <= qi + term.right)
+            elif isinstance(term, Documents):
+                if q_docs is None or kv_docs is None:
+                    raise ValueError(f"{term} needs q_docs and kv_docs")
+                visible = visible & (q_docs.unsqueeze(-1) == kv_docs.unsqueeze(-2))
+            elif isinstance(term, KeyPadding):
+                if kv_valid is None:
+                    raise ValueError(f"{term} needs kv_valid")
+                visible = visible & kv_valid.to(torch.bool).unsqueeze(-2)
+            else:
+                raise NotImplementedError(f"{term} is evaluated from its subgraph, not here")
+        return visible
+
+
+def _combine(spec: MaskSpec, terms, mods) -> MaskSpec:
+    return MaskSpec(spec.terms + tuple(terms), spec.score_mods + tuple(mods))
+
+
+# -- one match per attention ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class AttentionMatch:
+    """One attention in the graph, in SDPA normal form.
+
+    ``node`` is the ``F.scaled_dot_product_attention`` node that computes it after detection (a manual
+    ``softmax(q kᵀ) v`` is replaced by one); ``query``/``key``/``value`` are its ``[B, H, S, D]`` inputs
+    (K/V with ``kv_heads`` heads, never repeated when detection could undo a ``repeat_kv``); ``scale``
+    ``None`` means ``D ** -0.5``.  ``refusal`` (a :class:`burstc.refusals.Refusal`) is set when the
+    attention can't be sharded (its mask is not understood), with the reason; ``notes`` say what
+    detection did (a constant mask folded, ``repeat_kv`` undone) for the report.
+    """
+
+    node: Any                       # torch.fx.Node
+    query: Any
+    key: Any
+    value: Any
+    mask: MaskSpec
+    scale: float | None = None
+    heads_q: int | None = None
+    kv_heads: int | None = None
+    source: str = "sdpa"            # "sdpa" | "manual"
+    notes: tuple[str, ...] = ()
+    refusal: Any = None             # burstc.refusals.Refusal | None
+
+    @property
+    def gqa_groups(self) -> int | None:
+        if self.heads_q is None or not self.kv_heads:
+            return None
+        return self.heads_q // self.kv_heads
+
+    @property
+    def shardable(self) -> bool:
+        return self.refusal is None and self.mask.ring_supported
