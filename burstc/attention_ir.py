@@ -316,8 +316,16 @@ class AttentionMatch:
     heads_q: int | None = None
     kv_heads: int | None = None
     source: str = "sdpa"            # "sdpa" | "manual"
+    mask_origin: str = ""           # how detection found the mask ("constant mask folded at compile time", ...)
     notes: tuple[str, ...] = ()
     refusal: Any = None             # burstc.refusals.Refusal | None
+
+    @property
+    def mask_description(self) -> str:
+        """For reports: ``causal (constant mask folded at compile time)``, ``is_causal``, ``none``."""
+        if self.mask_origin:
+            return f"{'none' if self.mask.is_full and self.source == 'manual' else self.mask.kind} ({self.mask_origin})"
+        return "is_causal" if self.mask.is_causal else ("none" if self.mask.is_full else self.mask.kind)
 
     @property
     def gqa_groups(self) -> int | None:

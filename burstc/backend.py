@@ -1,61 +1,22 @@
-"""The torch.compile backend: Dynamo graph -> burstc passes -> AOTAutograd + Inductor (or aot_eager)."""
+"""The torch.compile backend: Dynamo graph -> "dynamo" passes -> :mod:`burstc.lowering` (AOTAutograd, the
+AOT-stage passes, Inductor or aot_eager) -> the runtime guards of :mod:`burstc.guards`."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import sys
-import warnings
 
 import torch
 import torch.fx as fx
 
-from burstc._logging import dump_graph, log_event
-from burstc.checkpoint_regions import inline_checkpoint_regions, outline_checkpoint_regions
+from burstc._logging import dump_graph
 from burstc.config import BurstConfig
-from burstc.passes import PassContext, apply_passes
-from burstc.passes.assume_unpadded import GUARD_META
-from burstc.report import Report, SkipRecord
-
-
-def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm``'s graph (node meta shared, not deep-copied) that later passes can't mutate."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    copy = fx.GraphModule(gm, graph)
-    copy.meta = dict(getattr(gm, "meta", {}))
-    return copy
-
-
-def _reinsert_dropped(outputs, dropped: tuple[int, ...]):
-    values = list(outputs)
-    for index in sorted(dropped):
-        values.insert(index, None)
-    return type(outputs)(values) if isinstance(outputs, tuple) else values
-
-
-def check_same_inputs_on_all_ranks(tensors, mesh):
-    """``check_inputs``: all-reduces (max of the hash and of its negation) of a cheap position-weighted hash of
-    the token inputs; ranks given different batches get a clear error instead of a silently wrong loss.
-    The digest lives on the inputs' device (NCCL reduces only GPU tensors)."""
-    import torch.distributed as dist
-
-    device = tensors[0].device if tensors else torch.device("cpu")
-    digest = torch.zeros(2, dtype=torch.float64, device=device)
-    for t in tensors:
-        flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device) % 7919 + 1
-        digest[0] += (flat * weights).sum()
-        digest[1] += flat.numel()
-    group = mesh.get_group()
-    high, low = digest.clone(), -digest
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(high, -low):
-        raise RuntimeError(
-            "burstc: the ranks were given different batches: every rank must get the full, identical batch "
-            "(no DistributedSampler over the sequence-parallel ranks); burstc shards the sequence itself. "
-            "check_inputs=False turns this check off")
+from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, note_padded_fallback, \
+    reinsert_dropped_outputs
+from burstc.lowering import lower
+from burstc.pass_context import GraphFacts, PassContext
+from burstc.passes import run_stage
+from burstc.report import Report, snapshot_graph
 
 
 def _tracing_config(config: BurstConfig):
@@ -101,57 +62,41 @@ class BurstBackend:
             raise
 
     def _compile_graph(self, gm: fx.GraphModule, example_inputs, record):
-        record.graphs["captured"] = snapshot(gm)
+        record.graphs["captured"] = snapshot_graph(gm)
         dump_graph("captured", record.graph_id, gm)
-        gm = self._rewrite(gm, example_inputs, record, self.config)
-        guarded = tuple(gm.meta.get(GUARD_META, ()))
-        if guarded and not self._sharded(record.graph_id):
+        gm, context = self._rewrite(gm, example_inputs, record, self.config)
+        guarded = context.facts.all_ones_inputs
+        if guarded and context.facts.sharding is None:
             # the all-ones specialization bought nothing (the shard pass refused for another reason):
             # redo the passes without it, so that no call pays for the check or a second compile, and
             # keep that other reason, the one that matters to the user
             refusals = [s for s in self.report.skipped if s.graph_id == record.graph_id and s.kind == "shard"]
-            gm = self._rewrite(snapshot(record.graphs["captured"]), example_inputs, record,
-                               self._without_specialization(), replace=True)
+            gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), example_inputs, record,
+                                        self._without_specialization(), replace=True)
             for refusal in refusals:
                 self.report.skipped.append(dataclasses.replace(
                     refusal, reason=f"even with the attention-mask input assumed all ones: {refusal.reason}"))
             guarded = ()
-        compiled = self._finish(gm, example_inputs, record)
+        compiled = self._finish(gm, example_inputs, record, context)
         if not guarded:
             return compiled
-        fallback = []
-
-        def run(*args):
-            if all(bool(args[i].all()) for i in guarded):
-                return compiled(*args)
-            if not fallback:
-                fallback.append(self._compile_fallback(record, args, guarded))
-            return fallback[0](*args)
-
-        return run
+        return all_ones_guarded(compiled, guarded,
+                                lambda args: self._compile_fallback(record, args, guarded))
 
     def _rewrite(self, gm, example_inputs, record, config, replace: bool = False):
-        """The passes on ``gm``; ``replace`` drops what an earlier run on this graph recorded."""
+        """The Dynamo-stage passes on ``gm`` -> (gm, context); ``replace`` drops what an earlier run on this
+        graph recorded."""
         if replace:
             self.report.forget_graph(record.graph_id)
+            record.graphs = {"captured": record.graphs["captured"]}
         context = PassContext(report=self.report, graph_id=record.graph_id, world_size=self.world_size,
-                              mesh=self.mesh, example_inputs=list(example_inputs))
-        # on a mesh the passes must see inside checkpointed layers (sharding flows through them)
-        regions = inline_checkpoint_regions(gm) if self.world_size > 1 else []
-        gm = apply_passes(gm, config=config, context=context)
-        if regions:
-            restored, kept = outline_checkpoint_regions(gm, regions)
-            for line in restored:
-                context.rewrite("checkpoint_region", "graph", {"restored": line}, module="")
-            for line in kept:
-                context.skip("checkpoint_region", "graph", line, module="")
-        record.graphs["rewritten"] = snapshot(gm)
+                              mesh=self.mesh, example_inputs=list(example_inputs), facts=GraphFacts())
+        gm = run_stage("dynamo", gm, config=config, context=context, graphs=record.graphs)
+        record.graphs["rewritten"] = snapshot_graph(gm)
         dump_graph("rewritten", record.graph_id, gm)
-        record.dropped_outputs = tuple(gm.meta.get("burstc_dropped_outputs", ()))
-        return gm
-
-    def _sharded(self, graph_id: int) -> bool:
-        return any(r.kind == "shard" and r.graph_id == graph_id for r in self.report.rewrites)
+        record.dropped_outputs = context.facts.dropped_outputs
+        record.sharding = context.facts.sharding
+        return gm, context
 
     def _without_specialization(self) -> BurstConfig:
         return dataclasses.replace(self.config, disable_passes=self.config.disable_passes + ("assume_unpadded",))
@@ -161,20 +106,16 @@ class BurstBackend:
         guarded inputs are not all ones; it gets its own graph record in the report."""
         placeholders = [n for n in record.graphs["captured"].graph.nodes if n.op == "placeholder"]
         names = ", ".join(f"`{placeholders[i].name}`" for i in guarded)
-        message = (f"input {names} was not all ones (a padded batch): the calls with such inputs run graph "
-                   f"{len(self.report.graph_records)}, compiled without the assumption (unsharded, replicated)")
-        self.report.skipped.append(SkipRecord("unpadded_mask", names, "", message, record.graph_id, "backend"))
-        log_event("rewrites", "graph %d: %s", record.graph_id, message)
-        warnings.warn(f"burstc: {message}", stacklevel=2)
+        note_padded_fallback(self.report, record.graph_id, names)
         fallback_record = self.report.new_graph()
         fallback_record.graphs["captured"] = record.graphs["captured"]
-        gm = self._rewrite(snapshot(record.graphs["captured"]), args, fallback_record,
-                           self._without_specialization())
-        return self._finish(gm, args, fallback_record)
+        gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), args, fallback_record,
+                                    self._without_specialization())
+        return self._finish(gm, args, fallback_record, context)
 
-    def _finish(self, gm, example_inputs, record):
+    def _finish(self, gm, example_inputs, record, context):
         """Lower ``gm``; wrap it to check the inputs and put back the outputs the passes dropped."""
-        compiled = self._lower(gm, example_inputs, record)
+        compiled = lower(gm, example_inputs, config=self.config, context=context, record=record)
         dropped = record.dropped_outputs
         check_positions = self._token_input_positions(gm) if self._checks_inputs(record) else []
         if not dropped and not check_positions:
@@ -186,13 +127,13 @@ class BurstBackend:
             if check_positions:
                 check_same_inputs_on_all_ranks([args[i] for i in check_positions], self.mesh)
             outputs = compiled(*args)
-            return _reinsert_dropped(outputs, dropped) if dropped else outputs
+            return reinsert_dropped_outputs(outputs, dropped) if dropped else outputs
 
         return run
 
     def _checks_inputs(self, record) -> bool:
         # an unsharded (replicated) graph computes each rank's own batch correctly: nothing to check
-        return self.config.check_inputs and self.world_size > 1 and self._sharded(record.graph_id)
+        return self.config.check_inputs and self.world_size > 1 and record.sharding is not None
 
     @staticmethod
     def _token_input_positions(gm) -> list[int]:
@@ -201,33 +142,3 @@ class BurstBackend:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         return [i for i, n in enumerate(placeholders) if placeholder_kind(n) == "input"
                 and isinstance(val(n), torch.Tensor) and not val(n).is_floating_point()]
-
-    def _record_stage(self, record, stage: str, gm: fx.GraphModule):
-        record.graphs[stage] = snapshot(gm)
-        dump_graph(stage, record.graph_id, gm)
-        log_event("passes", "graph %d: lowered %s graph (%d nodes)", record.graph_id, stage, len(gm.graph.nodes))
-
-    def _lower(self, gm, example_inputs, record):
-        if self.config.backend == "aot_eager":
-            from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-            from torch._dynamo.backends.common import aot_autograd
-
-            def stage_compiler(stage):
-                def compile_stage(stage_gm, stage_inputs):
-                    self._record_stage(record, stage, stage_gm)
-                    return make_boxed_func(stage_gm.forward)
-                return compile_stage
-
-            lower = aot_autograd(fw_compiler=stage_compiler("forward"), bw_compiler=stage_compiler("backward"),
-                                 partition_fn=min_cut_rematerialization_partition)
-            with torch._functorch.config.patch(enable_autograd_cache=False):
-                return lower(gm, example_inputs)
-
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-        def recording_inner_compile(stage_gm, stage_inputs, *args, **kwargs):
-            self._record_stage(record, "backward" if kwargs.get("is_backward") else "forward", stage_gm)
-            return compile_fx_inner(stage_gm, stage_inputs, *args, **kwargs)
-
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=recording_inner_compile)

@@ -1,12 +1,26 @@
-"""What burstc found, rewrote, skipped and why; the graphs of every stage."""
+"""What burstc found, rewrote, skipped and why; the graph after every pass and stage."""
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
 
+# the graphs every record has; between "captured" and "rewritten" it holds one graph per Dynamo-stage pass
+# that ran (keyed by pass name), and after "forward"/"backward" one per AOT-stage pass
 STAGES = ("captured", "rewritten", "forward", "backward")
+_CELL_WIDTH = 72  # detail-table cells wider than this fold onto more lines
+
+
+def snapshot_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph (node meta shared, not deep-copied) that later passes can't mutate."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    return copy
 
 
 @dataclass
@@ -58,6 +72,8 @@ class GraphRecord:
     graph_id: int
     graphs: dict[str, fx.GraphModule] = field(default_factory=dict)
     dropped_outputs: tuple[int, ...] = ()
+    sharding: Any = None
+    """A :class:`burstc.pass_context.ShardingFact` when the graph runs sequence-parallel, else ``None``."""
 
 
 class Report:
@@ -65,8 +81,9 @@ class Report:
 
     - ``rewrites``: one :class:`RewriteRecord` per rewrite;
     - ``skipped``: candidates not rewritten, each with ``.reason``;
-    - ``graphs``: stage name -> GraphModule (``captured``, ``rewritten``, ``forward``, ``backward``) of
-      the first Dynamo graph that had a rewrite (else the first graph); ``graph_records`` has all;
+    - ``graphs[graph_id][name]``: the GraphModule of graph ``graph_id`` after ``name``: ``captured``, each
+      pass that ran (by pass name), ``rewritten``, ``forward``, ``backward``.  ``graphs[name]`` (a string
+      key) is the same for the first Dynamo graph that had a rewrite (else the first graph);
     - ``passes``: one :class:`PassRun` per (pass, graph), with a note when the pass found nothing.
     """
 
@@ -103,24 +120,47 @@ class Report:
         return bool(self.graph_records)
 
     @property
-    def graphs(self) -> dict[str, fx.GraphModule]:
-        if not self.graph_records:
-            return {}
+    def graphs(self) -> "GraphsView":
+        return GraphsView(self)
+
+    def main_record(self) -> GraphRecord | None:
+        """The first graph that had a rewrite, else the first graph."""
         rewritten_ids = {r.graph_id for r in self.rewrites}
-        for record in self.graph_records:
-            if record.graph_id in rewritten_ids:
-                return record.graphs
-        return self.graph_records[0].graphs
+        return next((g for g in self.graph_records if g.graph_id in rewritten_ids),
+                    self.graph_records[0] if self.graph_records else None)
+
+    def pass_run(self, name: str, graph_id: int | None = None) -> "PassRun":
+        """The run of pass ``name`` on ``graph_id`` (default: the first graph it ran on)."""
+        for run in self.passes:
+            if run.name == name and (graph_id is None or run.graph_id == graph_id):
+                return run
+        raise KeyError(f"pass {name!r} did not run on graph {graph_id}; runs: "
+                       f"{[(p.graph_id, p.name) for p in self.passes]}")
+
+    def summary(self, graph_id: int) -> str:
+        """One line: how graph ``graph_id`` runs, and the top reason when it is not sharded."""
+        record = self.graph_records[graph_id]
+        if record.sharding is not None:
+            fact = record.sharding
+            plans = _counted(fact.plans)
+            return (f"graph {graph_id}: sharded over {fact.world_size} ranks ({fact.layout} layout"
+                    + (f"; attention plans: {plans}" if plans else "") + ")")
+        fused = sum(1 for r in self.rewrites if r.graph_id == graph_id and r.kind == "lm_head_loss")
+        fused_note = f" (fused LM-head loss x{fused})" if fused else ""
+        if self.world_size <= 1:
+            return f"graph {graph_id}: one device{fused_note}"
+        refusals = [s for s in self.skipped if s.graph_id == graph_id and s.kind == "shard"]
+        reason = refusals[0].reason if refusals else "nothing to shard in this graph"
+        return f"graph {graph_id}: replicated on {self.world_size} ranks{fused_note}: {reason}"
 
     def rewrites_of(self, kind: str) -> list[RewriteRecord]:
         return [r for r in self.rewrites if r.kind == kind]
 
     # -- presentation ---------------------------------------------------------------------------
     def __str__(self) -> str:
-        lines = [
-            f"burstc report: {len(self.graph_records)} graph(s), world size {self.world_size}, "
-            f"backend {self.config.backend}",
-        ]
+        lines = [self.summary(g.graph_id) for g in self.graph_records]
+        lines.append(f"burstc report: {len(self.graph_records)} graph(s), world size {self.world_size}, "
+                     f"backend {self.config.backend}")
         lines.append(_table(
             "rewrites",
             ["graph", "kind", "node", "module", "details"],
@@ -128,8 +168,8 @@ class Report:
         ))
         lines.append(_table(
             "skipped",
-            ["graph", "kind", "node", "module", "reason"],
-            [[s.graph_id, s.kind, s.node, s.module_path, s.reason] for s in self.skipped],
+            ["graph", "kind", "node", "module", "code", "reason"],
+            [[s.graph_id, s.kind, s.node, s.module_path, s.code, s.reason] for s in self.skipped],
         ))
         lines.append(_table(
             "passes",
@@ -137,13 +177,60 @@ class Report:
             [[p.graph_id, p.name, p.rewrites, p.skipped, p.note] for p in self.passes],
         ))
         for record in self.graph_records:
-            stages = ", ".join(f"{k} ({_count_ops(g)} ops)" for k, g in record.graphs.items())
+            stages = ", ".join(f"{k} ({_count_ops(g)} ops)" for k, g in record.graphs.items() if k in STAGES)
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+class GraphsView:
+    """``report.graphs[graph_id][name]`` (every graph, every pass) or ``report.graphs[name]`` (the main graph)."""
+
+    def __init__(self, report: Report):
+        self._report = report
+
+    def _main(self) -> dict[str, fx.GraphModule]:
+        record = self._report.main_record()
+        return record.graphs if record is not None else {}
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return self._report.graph_records[key].graphs
+        return self._main()[key]
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except (KeyError, IndexError):
+            return default
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+    def keys(self):
+        return self._main().keys()
+
+    def items(self):
+        return self._main().items()
+
+    def __iter__(self):
+        return iter(self._main())
+
+    def __len__(self) -> int:
+        return len(self._main())
+
+    def __repr__(self) -> str:
+        return f"GraphsView(graphs={[list(g.graphs) for g in self._report.graph_records]})"
+
+
+def _counted(items) -> str:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in counts.items())
 
 
 def _count_ops(gm: fx.GraphModule) -> int:
@@ -176,11 +263,14 @@ def _fmt_details(details: dict) -> str:
 def _table(title: str, header: list[str], rows: list[list]) -> str:
     if not rows:
         return f"{title}: none"
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    # a long cell folds onto several lines of its column, so a row stays readable in a terminal
+    cells = [[[str(c)] for c in header]] + [
+        [textwrap.wrap(str(c), _CELL_WIDTH, break_on_hyphens=False) or [""] for c in row] for row in rows]
+    widths = [max(len(line) for row in cells for line in row[i]) for i in range(len(header))]
     out = [f"{title}:"]
     for j, row in enumerate(cells):
-        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for k in range(max(len(c) for c in row)):
+            out.append("  " + "  ".join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(row, widths)).rstrip())
         if j == 0:
             out.append("  " + "  ".join("-" * w for w in widths))
     return "\n".join(out)

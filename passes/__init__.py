@@ -1,111 +1,114 @@
-"""burstc's graph passes, one per file, each ``gm -> gm`` with keyword-only ``config`` and ``context``.
+"""burstc's graph passes: one registry, one file per pass, each ``gm -> gm`` with keyword-only ``config``
+and ``context``.
 
-They run in ``PASS_ORDER`` on the Dynamo (torch-level) graph, before AOTAutograd; see README.md here for
-the invariants every pass keeps.  ``burstc.compile(..., disable_passes=[name])`` skips one.
+A pass is declared in :data:`PASSES` with its stage, whether it needs a mesh, and the facts it produces
+and consumes (``context.facts``, :class:`burstc.pass_context.GraphFacts`).  The stages run in this order
+(``burstc/backend.py`` and ``burstc/lowering.py``)::
+
+    Dynamo graph ─► "dynamo" passes ─► AOTAutograd (joint graph, burstc's partitioner hook)
+                 ─► "aot_forward" passes on the forward graph ─► Inductor / aot_eager
+                 ─► "aot_backward" passes on the backward graph ─► Inductor / aot_eager
+
+``burstc.compile(..., disable_passes=[name])`` skips a pass; the report keeps the graph after every
+pass (``burstc.report(m).graphs[graph_id][pass_name]``).  See README.md here for the invariants.
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import importlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch.fx as fx
 
-from burstc._logging import log_event
-from burstc.report import PassRun, Report, RewriteRecord, SkipRecord
+from burstc._logging import dump_graph, log_event
+from burstc.pass_context import GraphFacts, PassContext, ShardingFact, module_path  # noqa: F401  (re-exported)
+from burstc.report import PassRun, snapshot_graph
 
-# Order matters: the LM-head fusion matches the unsharded loss; shard then lowers the fused op's
-# normalizer to the global token count; assume_unpadded turns masks built from an all-ones
-# attention_mask input into constants (behind a runtime check) that detect_attention folds;
-# detect_attention puts attention in the SDPA normal form that shard lowers to ring attention.
-PASS_ORDER: tuple[str, ...] = ("fuse_lm_head_loss", "assume_unpadded", "detect_attention", "shard")
+STAGES = ("dynamo", "aot_forward", "aot_backward")
 
 
-def module_path(node: fx.Node) -> str:
-    """The module FQN a Dynamo node came from (``model.layers.0.self_attn``), or ``""``."""
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        fqn = list(stack.values())[-1][0]
-        return _clean_fqn(fqn)
-    return ""
+@dataclass(frozen=True)
+class PassSpec:
+    """One registered pass: ``passes/<name>.py`` defines the function ``<name>``."""
+
+    name: str
+    stage: str
+    needs_mesh: bool
+    summary: str
+    produces: tuple[str, ...] = ()
+    consumes: tuple[str, ...] = ()
+
+    def load(self) -> Callable:
+        return getattr(importlib.import_module(f"burstc.passes.{self.name}"), self.name)
 
 
-_ROOT_PREFIX = re.compile(r"^L\[[^\]]*\](\[[^\]]*\])*\.?")
+# Order matters.  The passes must see inside checkpointed layers on a mesh (sharding flows through
+# them), so inline_checkpoints runs first and outline_checkpoints last.  The LM-head fusion matches the
+# unsharded loss; shard then lowers the fused op's normalizer to the global token count.
+# assume_unpadded turns masks built from an all-ones attention_mask input into constants (behind a
+# runtime guard) that detect_attention folds; detect_attention puts attention in the SDPA normal form
+# and records one AttentionMatch per attention, which shard lowers to ring attention.
+PASSES: tuple[PassSpec, ...] = (
+    PassSpec("inline_checkpoints", "dynamo", True,
+             "activation-checkpointed layers inlined, their nodes tagged with their region",
+             produces=("checkpoint_regions",)),
+    PassSpec("fuse_lm_head_loss", "dynamo", False,
+             "LM head + cross-entropy -> burstc::linear_cross_entropy (no [tokens, vocab] logits)",
+             produces=("dropped_outputs",)),
+    PassSpec("assume_unpadded", "dynamo", True,
+             "an all-ones attention_mask input assumed, behind a runtime guard",
+             produces=("all_ones_inputs",)),
+    PassSpec("detect_attention", "dynamo", True,
+             "attention in SDPA normal form, one AttentionMatch (with its MaskSpec) per attention",
+             produces=("attention",)),
+    PassSpec("shard", "dynamo", True,
+             "sequence-parallel lowering: this rank's tokens, ring attention, global loss normalizer",
+             consumes=("attention", "dropped_outputs"), produces=("sharding",)),
+    PassSpec("outline_checkpoints", "dynamo", True,
+             "inlined checkpoint regions restored around the rewritten nodes",
+             consumes=("checkpoint_regions",)),
+)
+PASS_ORDER: tuple[str, ...] = tuple(p.name for p in PASSES)
 
 
-def _clean_fqn(fqn: str) -> str:
-    # Dynamo spells the root as L['self'] / L['args'][0] / L['s'] and may write ._modules['x']
-    fqn = _ROOT_PREFIX.sub("", fqn)
-    return fqn.replace("._modules['", ".").replace("_modules['", "").replace("']", "").lstrip(".")
+def passes_of(stage: str) -> tuple[PassSpec, ...]:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
+    return tuple(p for p in PASSES if p.stage == stage)
 
 
-@dataclass
-class PassContext:
-    """What a pass may know besides the graph: the mesh shape, the example inputs, and where to
-    record what it did.  Passes are pure functions of (graph, config, world_size)."""
-
-    report: Report
-    graph_id: int
-    world_size: int = 1
-    mesh: Any = None
-    example_inputs: list = field(default_factory=list)
-    pass_name: str = ""
-    note: str = ""
-    _rewrites: int = 0
-    _skips: int = 0
-
-    def rewrite(self, kind: str, node: fx.Node | str, details: dict | None = None, module: str | None = None):
-        name = node if isinstance(node, str) else node.name
-        module = module if module is not None else (module_path(node) if isinstance(node, fx.Node) else "")
-        record = RewriteRecord(kind, name, module, dict(details or {}), self.graph_id, self.pass_name)
-        self.report.rewrites.append(record)
-        self._rewrites += 1
-        log_event("rewrites", "graph %d: %s rewrote %s %s (%s) %s", self.graph_id, self.pass_name, kind, name,
-                  module, record.details)
-        return record
-
-    def skip(self, kind: str, node: fx.Node | str, reason: str, module: str | None = None, *, code: str = ""):
-        """Record a candidate not rewritten; ``code`` is a registered :mod:`burstc.refusals` code."""
-        if code:
-            from burstc.refusals import Refusal
-
-            Refusal(code, reason)  # validates the code
-        name = node if isinstance(node, str) else node.name
-        module = module if module is not None else (module_path(node) if isinstance(node, fx.Node) else "")
-        self.report.skipped.append(SkipRecord(kind, name, module, reason, self.graph_id, self.pass_name, code))
-        self._skips += 1
-        log_event("rewrites", "graph %d: %s skipped %s %s (%s): %s", self.graph_id, self.pass_name, kind, name,
-                  module, reason)
-
-
-def _registry() -> dict[str, Callable]:
-    from burstc.passes.assume_unpadded import assume_unpadded
-    from burstc.passes.detect_attention import detect_attention
-    from burstc.passes.fuse_lm_head_loss import fuse_lm_head_loss
-    from burstc.passes.shard import shard
-
-    passes = {"fuse_lm_head_loss": fuse_lm_head_loss, "assume_unpadded": assume_unpadded,
-              "detect_attention": detect_attention, "shard": shard}
-    assert tuple(passes) == PASS_ORDER
-    return passes
-
-
-def apply_passes(gm: fx.GraphModule, *, config, context: PassContext) -> fx.GraphModule:
-    for name, pass_fn in _registry().items():
-        if name in config.disable_passes:
-            context.report.passes.append(PassRun(name, context.graph_id, 0, 0, "disabled by option"))
+def run_stage(stage: str, gm: fx.GraphModule, *, config, context: PassContext, graphs: dict | None = None
+              ) -> fx.GraphModule:
+    """Run ``stage``'s passes in order on ``gm``; each leaves a :class:`PassRun` in the report (a pass that
+    finds nothing says so) and, when ``graphs`` is given, a snapshot of the graph after it."""
+    for spec in passes_of(stage):
+        if spec.name in config.disable_passes:
+            _record_run(context, spec.name, 0, 0, "disabled by option")
             continue
-        context.pass_name = name
-        context._rewrites = context._skips = 0
-        context.note = ""
-        result = pass_fn(gm, config=config, context=context)
+        if spec.needs_mesh and context.world_size <= 1:
+            _record_run(context, spec.name, 0, 0, "single device: not run (needs a mesh)")
+            continue
+        context.start_pass(spec.name)
+        result = spec.load()(gm, config=config, context=context)
         if not isinstance(result, fx.GraphModule):
-            raise TypeError(f"burstc pass {name} returned {type(result).__name__}, expected a GraphModule")
+            raise TypeError(f"burstc pass {spec.name} returned {type(result).__name__}, expected a GraphModule")
         gm = result
         note = context.note or ("" if context._rewrites or context._skips else "found no candidates")
-        context.report.passes.append(PassRun(name, context.graph_id, context._rewrites, context._skips, note))
-        log_event("passes", "graph %d: pass %s: %d rewrite(s), %d skip(s) %s", context.graph_id, name,
-                  context._rewrites, context._skips, note)
+        _record_run(context, spec.name, context._rewrites, context._skips, note)
+        if graphs is not None:
+            graphs[spec.name] = snapshot_graph(gm)
+            dump_graph(spec.name, context.graph_id, gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _record_run(context: PassContext, name: str, rewrites: int, skips: int, note: str) -> None:
+    context.report.passes.append(PassRun(name, context.graph_id, rewrites, skips, note))
+    log_event("passes", "graph %d: pass %s: %d rewrite(s), %d skip(s) %s", context.graph_id, name,
+              rewrites, skips, note)
+
+
+def apply_passes(gm: fx.GraphModule, *, config, context: PassContext) -> fx.GraphModule:
+    """The Dynamo-stage passes (what the backend runs before lowering)."""
+    return run_stage("dynamo", gm, config=config, context=context)

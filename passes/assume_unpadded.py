@@ -10,7 +10,7 @@ folds the masks into ``is_causal`` and the shard pass can lower the graph.  Ever
 the input (OPT's ``cumsum`` positions, say) sees the same ones, which is exact whenever the input
 really is all ones.
 
-The graph records the inputs it assumed (``gm.meta["burstc_all_ones_inputs"]``, placeholder
+The pass records the inputs it assumed (``context.facts.all_ones_inputs``, placeholder
 positions); the backend checks them on every call (one ``.all()`` per input, a host sync on GPU)
 and runs an unspecialized (unsharded, replicated) graph for a call where they are not all ones,
 noting it in the report.  A padded batch therefore gets the single-device result, never a wrong one.
@@ -33,11 +33,15 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from burstc.passes.detect_attention import attention_masks, classify_mask
+from burstc.refusals import register_codes
 from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_code, evaluate_constant,
                                        fake_mode_of, placeholder_example, placeholder_kind, set_meta, val)
 
 KIND = "unpadded_mask"
-GUARD_META = "burstc_all_ones_inputs"
+CODES = register_codes("unpadded_mask", {
+    "other_runtime_values": "the mask also depends on runtime values other than an all-ones-able input",
+    "not_causal_when_ones": "the mask is neither causal nor full even with the input assumed all ones",
+})
 
 
 def _input_dependencies(mask_node: fx.Node) -> list[fx.Node]:
@@ -90,7 +94,8 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             why = "; ".join(f"`{n.name}` is {r}" for n, r in refusals.items() if r) or "no input"
             if why not in reported:
                 reported.add(why)
-                context.skip(KIND, reader, f"mask depends on runtime values that can't be assumed all ones ({why})")
+                context.skip(KIND, reader, f"mask depends on runtime values that can't be assumed all ones ({why})",
+                             code=CODES.other_runtime_values)
             continue
         runtime_masks.append((reader, mask_node, to_visible))
         for n in inputs:
@@ -107,14 +112,15 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         for placeholder, ones in substitutes.items():  # undo: assuming ones would not make them causal
             ones.replace_all_uses_with(placeholder)
             gm.graph.erase_node(ones)
-        reasons = sorted({reason or kind for kind, reason in verdicts if kind not in ("causal", "full")})
+        reasons = sorted({refusal.reason if refusal else kind for kind, refusal in verdicts
+                          if kind not in ("causal", "full")})
         for placeholder in candidates:
             context.skip(KIND, placeholder, "the attention mask is not causal even when this input is all ones "
-                                            f"({'; '.join(reasons)})")
+                                            f"({'; '.join(reasons)})", code=CODES.not_causal_when_ones)
         return gm
 
     positions = [i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder") if n in candidates]
-    gm.meta[GUARD_META] = tuple(positions)
+    context.facts.all_ones_inputs = tuple(positions)
     for placeholder in candidates:
         context.rewrite(KIND, placeholder, {
             "input": placeholder.name, "shape": tuple(val(placeholder).shape),

@@ -1,12 +1,14 @@
-"""Find attention and put it in one normal form: an SDPA node with ``is_causal`` and no mask.
+"""Pass ``detect_attention`` (stage dynamo, mesh only): find attention, put it in one normal form (an SDPA node
+with ``is_causal`` and no mask), and record one :class:`burstc.attention_ir.AttentionMatch` per attention in
+``context.facts.attention`` (consumed by ``shard``).
 
-Runs only on a mesh of more than one rank (on one device, attention is left to Inductor).
+On one device attention is left to Inductor.
 
 - SDPA calls: a mask that depends only on constants and module buffers (HF's mask built from
   ``arange`` comparisons when no attention_mask is passed, a ``tril`` buffer) is evaluated at
   compile time and classified: *causal* (exactly lower-triangular) becomes ``is_causal=True``, *full*
   (all visible) becomes no mask.  A mask that depends on the inputs, or any other pattern, is left
-  in place; the shard pass then refuses the graph with the reason.
+  in place, and its match carries the refusal (code and reason); the shard pass then refuses the graph.
 - The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf)]) @ v`` (nanoGPT's
   fallback) is replaced by the equivalent SDPA node.
 
@@ -30,10 +32,18 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from burstc.attention_ir import AttentionMatch, MaskSpec
 from burstc.passes.graph_utils import (NotConstant, ancestors, const_number, eliminate_dead_code, evaluate_constant,
                                        fake_mode_of, is_function, is_method, set_meta, val)
+from burstc.refusals import Refusal, register_codes
 
 KIND = "attention"
+CODES = register_codes("attention", {
+    "mask_runtime": "the mask depends on runtime values (inputs), not only on constants and buffers",
+    "mask_not_tensor": "the mask is not a tensor",
+    "mask_bias": "an additive mask with values other than 0 / -inf: a bias, not a mask",
+    "mask_dense": "a dense mask that is neither causal nor full",
+})
 SDPA = F.scaled_dot_product_attention
 _SOFTMAX = (torch.softmax, F.softmax)
 _MATMUL = (operator.matmul, torch.matmul)
@@ -67,20 +77,22 @@ def _visible_from_sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > float("-inf")
 
 
-def classify_mask(gm, mask_node, to_visible, consumer) -> tuple[str, str]:
-    """-> (kind, reason): kind in causal/full/other/unknown, for the mask as ``consumer`` reads it."""
+def classify_mask(gm, mask_node, to_visible, consumer) -> tuple[str, Refusal | None]:
+    """-> (kind, refusal): kind in causal/full/other/unknown, for the mask as ``consumer`` reads it; the
+    refusal (code and reason) is ``None`` for causal and full."""
     try:
         mask = evaluate_constant(gm, mask_node, at=consumer)
     except NotConstant as why:
-        return "unknown", f"mask depends on runtime values ({why})"
+        return "unknown", Refusal(CODES.mask_runtime, f"mask depends on runtime values ({why})")
     if not isinstance(mask, torch.Tensor):
-        return "unknown", "mask is not a tensor"
+        return "unknown", Refusal(CODES.mask_not_tensor, "mask is not a tensor")
     if mask.is_floating_point():
         finite = mask[mask > float("-inf")]
         if finite.numel() and bool((finite != 0).any()):
-            return "other", "additive mask with values other than 0 / -inf (a bias, not a mask)"
+            return "other", Refusal(CODES.mask_bias,
+                                    "additive mask with values other than 0 / -inf (a bias, not a mask)")
     kind = classify_visibility(to_visible(mask))
-    return kind, "" if kind != "other" else "dense mask that is neither causal nor full"
+    return kind, None if kind != "other" else Refusal(CODES.mask_dense, "dense mask that is neither causal nor full")
 
 
 _LAYOUT_METHODS = ("transpose", "contiguous", "permute")
@@ -150,24 +162,38 @@ def _undo_repeat_kv(gm, node, fake_mode) -> bool:
     return True
 
 
-def _canonicalize_sdpa(gm, node, context):
+def _canonicalize_sdpa(gm, node) -> tuple[str, Refusal | None]:
+    """Fold a constant causal/full mask into ``is_causal`` -> (how the mask was found, refusal or None)."""
     kwargs = sdpa_kwargs(node)
     mask = kwargs["attn_mask"]
-    if mask is None:
-        return
-    if kwargs["is_causal"]:
-        return  # SDPA itself rejects mask + is_causal
+    if mask is None or kwargs["is_causal"]:  # SDPA itself rejects mask + is_causal
+        return "", None
     if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
             and not val(mask).is_floating_point():
-        return
-    kind, reason = classify_mask(gm, mask, _visible_from_sdpa_mask, node)
-    if kind in ("causal", "full"):
-        node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
-        node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
-                       "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}
-        node.meta["burstc_mask"] = f"{kind} (constant mask folded at compile time)"
-    else:
-        node.meta["burstc_refuse"] = reason
+        return "", None  # an integer mask SDPA would reject: left for eager to raise
+    kind, refusal = classify_mask(gm, mask, _visible_from_sdpa_mask, node)
+    if refusal is not None:
+        return "", refusal
+    node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
+    node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
+                   "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}
+    return "constant mask folded at compile time", None
+
+
+def _match_of(node: fx.Node, origin: str, refusal: Refusal | None, notes: tuple[str, ...], source: str
+              ) -> AttentionMatch:
+    """The attention record of SDPA ``node`` (in normal form unless ``refusal``)."""
+    kwargs = sdpa_kwargs(node)
+    q, k = kwargs["query"], kwargs["key"]
+    q_val, k_val = val(q), val(k)
+    mask = MaskSpec.causal() if kwargs["is_causal"] else MaskSpec.full()
+    if kwargs["attn_mask"] is not None and refusal is None:
+        refusal = Refusal(CODES.mask_dense, "an attention mask")  # one this pass did not classify
+    return AttentionMatch(
+        node=node, query=q, key=k, value=kwargs["value"], mask=mask, scale=kwargs["scale"],
+        heads_q=q_val.shape[1] if q_val is not None and q_val.dim() == 4 else None,
+        kv_heads=k_val.shape[1] if k_val is not None and k_val.dim() == 4 else None,
+        source=source, mask_origin=origin, notes=notes, refusal=refusal)
 
 
 def _transposed_key(node):
@@ -263,43 +289,50 @@ def _dropout_active(node):
 
 
 def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
-    if context.world_size <= 1:
-        context.note = "single device: attention left to Inductor"
-        return gm
     fake_mode = fake_mode_of(gm)
     folded = manual = unrepeated = 0
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
-            _canonicalize_sdpa(gm, node, context)
-            folded += "burstc_mask" in node.meta
+            origin, refusal = _canonicalize_sdpa(gm, node)
+            notes = ()
             if _undo_repeat_kv(gm, node, fake_mode):
-                node.meta["burstc_gqa"] = "repeat_kv undone: kv heads travel unrepeated"
+                notes = ("repeat_kv undone: kv heads travel unrepeated",)
                 unrepeated += 1
+            match = _match_of(node, origin, refusal, notes, "sdpa")
+            context.facts.attention[node] = match
+            if origin or notes:
+                folded += bool(origin)
+                context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
+                                                                 "notes": ", ".join(notes) or None})
             continue
-        match = _match_manual(gm, node)
-        if match is None:
+        found = _match_manual(gm, node)
+        if found is None:
             continue
         is_causal = False
-        if match["mask"] is not None:
-            reader, mask_node, to_visible = _manual_mask(gm, node, match)
-            kind, reason = classify_mask(gm, mask_node, to_visible, reader)
-            if kind not in ("causal", "full"):
-                context.skip(KIND, node, f"manual attention with a {reason or kind + ' mask'}")
+        if found["mask"] is not None:
+            reader, mask_node, to_visible = _manual_mask(gm, node, found)
+            kind, refusal = classify_mask(gm, mask_node, to_visible, reader)
+            if refusal is not None:
+                context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
                 continue
             is_causal = kind == "causal"
         with gm.graph.inserting_before(node):
-            kwargs = {"is_causal": is_causal, "scale": float(match["scale"])}
-            args = (match["q"], match["k"], match["v"])
+            kwargs = {"is_causal": is_causal, "scale": float(found["scale"])}
+            args = (found["q"], found["k"], found["v"])
             sdpa = gm.graph.call_function(SDPA, args, kwargs)
             set_meta(sdpa, SDPA, args, kwargs, fake_mode)
         sdpa.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        sdpa.meta["burstc_mask"] = ("causal" if is_causal else "none") + " (manual softmax attention canonicalized)"
         node.replace_all_uses_with(sdpa)
         gm.graph.erase_node(node)
+        match = _match_of(sdpa, "manual softmax attention canonicalized", None, (), "manual")
+        context.facts.attention[sdpa] = match
+        context.rewrite("attention_normal_form", sdpa, {"mask": match.mask_description, "source": "manual"})
         manual += 1
     if folded or manual or unrepeated:
         context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
                         f"{manual} manual attention(s) canonicalized to SDPA, "
                         f"{unrepeated} repeat_kv undone (enable_gqa); the shard pass rewrites them")
+    elif context.facts.attention:
+        context.note = f"{len(context.facts.attention)} attention(s) already in normal form"
     eliminate_dead_code(gm.graph)
     return gm

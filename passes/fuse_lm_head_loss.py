@@ -439,19 +439,21 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             "predicted_peak_bytes": _predicted_bytes(num_tokens, vocab, hidden_size, hidden_val.dtype, chunk),
         }, module=module_path(match.linear_node))
     if drop_from_outputs:
-        drop_graph_outputs(gm, output_node, drop_from_outputs)
+        context.facts.dropped_outputs = drop_graph_outputs(output_node, drop_from_outputs,
+                                                           context.facts.dropped_outputs)
     eliminate_dead_code(gm.graph)
     return gm
 
 
-def drop_graph_outputs(gm: fx.GraphModule, output_node: fx.Node, nodes: list[fx.Node]):
+def drop_graph_outputs(output_node: fx.Node, nodes: list[fx.Node], earlier: tuple[int, ...] = ()
+                       ) -> tuple[int, ...]:
     """Remove ``nodes`` from the graph's output tuple; the backend returns None in their place.
 
-    ``gm.meta["burstc_dropped_outputs"]`` holds positions in the *original* output tuple, so
-    drops by earlier passes are merged in."""
+    Returns the positions dropped so far in the *original* output tuple (``facts.dropped_outputs``):
+    ``earlier`` (drops by earlier passes) merged with these."""
     outputs = tuple(output_node.args[0])
-    earlier = sorted(gm.meta.get("burstc_dropped_outputs", ()))
+    earlier = sorted(earlier)
     original_index = [i for i in range(len(outputs) + len(earlier)) if i not in earlier]
     drop = {i for i, o in enumerate(outputs) if any(o is n for n in nodes)}
     output_node.args = (tuple(o for i, o in enumerate(outputs) if i not in drop),)
-    gm.meta["burstc_dropped_outputs"] = tuple(sorted(earlier + [original_index[i] for i in drop]))
+    return tuple(sorted(earlier + [original_index[i] for i in drop]))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.layout import required_multiple
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
-from burstc.passes import module_path
+from burstc.passes import ShardingFact, module_path
 from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
 from burstc.passes.detect_attention import SDPA, sdpa_kwargs
 from burstc.passes.graph_utils import const_number, eliminate_dead_code, fake_mode_of, is_function, is_method, \
@@ -126,6 +126,7 @@ class _Analyzer:
         self.loss_derived = set()
         self.mutated = mutated_values(gm.graph)
         self.current = None  # the node being analyzed (named if the analysis fails)
+        self.attention_matches = {}  # SDPA node -> AttentionMatch (detect_attention's facts)
 
     # -- helpers -------------------------------------------------------------------------------
     def place(self, a):
@@ -484,8 +485,9 @@ class _Analyzer:
     def visit_attention(self, node):
         kw = sdpa_kwargs(node)
         q, k, v = kw["query"], kw["key"], kw["value"]
-        if kw["attn_mask"] is not None:
-            reason = node.meta.get("burstc_refuse", "an attention mask")
+        match = self.attention_matches.get(node)
+        if kw["attn_mask"] is not None or (match is not None and not match.shardable):
+            reason = match.refusal.reason if match is not None and match.refusal else "an attention mask"
             self.refuse(node, f"attention with {reason} (masks are not supported by the ring op yet)")
         if kw["dropout_p"]:
             self.refuse(node, "attention dropout > 0")
@@ -678,6 +680,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
 
     for node in plan.attention:
         kw = sdpa_kwargs(node)
+        match = context.facts.attention.get(node)
         q, k, v = kw["query"], kw["key"], kw["value"]
         B, Hq, _, D = val(q).shape
         Hkv = val(k).shape[1]
@@ -695,8 +698,8 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
         context.rewrite("attention", out, {
             "plan": plan_name, "layout": layout, "causal": bool(kw["is_causal"]), "world_size": analyzer.P,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
-            "mask": node.meta.get("burstc_mask", "is_causal" if kw["is_causal"] else "none"),
-            "kv_heads_on_wire": Hkv, "gqa_note": node.meta.get("burstc_gqa"),
+            "mask": match.mask_description if match else ("is_causal" if kw["is_causal"] else "none"),
+            "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
             "predicted_bytes": dict(per_step),
             "planner_choice": choice.plan,
         }, module=module_path(node))
@@ -815,6 +818,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     multiple = required_multiple(context.world_size, config.layout)
     padded_len = -(-seq_len // multiple) * multiple
     analyzer = _Analyzer(gm, seq_len, context.world_size, config, padded_len)
+    analyzer.attention_matches = context.facts.attention
     try:
         plan = analyzer.run()
     except _Refuse as refusal:
@@ -852,4 +856,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None,
     }, module="")
+    context.facts.sharding = ShardingFact(
+        world_size=context.world_size, layout=config.layout, seq_len=seq_len, padded_len=padded_len,
+        plans=tuple(r.details.get("plan") for r in context.report.rewrites
+                    if r.graph_id == context.graph_id and r.kind == "attention"))
     return gm

@@ -66,7 +66,9 @@ def test_report_has_rewrite_graphs_and_table():
     assert rep.rewrites[0].module_path == "head"
     assert rep.rewrites[0].chunk_size > 0
     assert set(rep.rewrites[0].predicted_peak_bytes) == {"eager", "fused"}
-    assert set(rep.graphs) == {"captured", "rewritten", "forward", "backward"}
+    # the stages, and the graph after each pass that ran (on one device: only the fusion)
+    assert set(rep.graphs) == {"captured", "fuse_lm_head_loss", "rewritten", "forward", "backward"}
+    assert set(rep.graphs[0]) == set(rep.graphs)
     targets = lambda gm: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert any("cross_entropy" in t for t in targets(rep.graphs["captured"]))
     assert not any("cross_entropy" in t and "linear_cross_entropy" not in t for t in targets(rep.graphs["rewritten"]))
@@ -83,7 +85,7 @@ def test_disable_pass_by_name():
     loss = cmodel(ids, ids)
     rep = burstc.report(cmodel)
     assert rep.rewrites == []
-    assert rep.passes[0].note == "disabled by option"
+    assert rep.pass_run("fuse_lm_head_loss").note == "disabled by option"
     torch.testing.assert_close(loss, model(ids, ids))
 
 
@@ -92,7 +94,7 @@ def test_pass_that_finds_nothing_says_so():
     cmodel(torch.randn(3, 4))
     rep = burstc.report(cmodel)
     assert rep.rewrites == [] and rep.skipped == []
-    assert rep.passes[0].name == "fuse_lm_head_loss" and rep.passes[0].note == "found no candidates"
+    assert rep.pass_run("fuse_lm_head_loss").note == "found no candidates"
 
 
 def test_mesh_of_size_one_is_one_device(tmp_path):
@@ -134,7 +136,8 @@ def test_burstc_logs_dir_writes_graph_files(monkeypatch, tmp_path):
     ids = torch.randint(0, 37, (2, 5))
     cmodel(ids, ids).backward()
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["graph0_backward.py", "graph0_captured.py", "graph0_forward.py", "graph0_rewritten.py"]
+    assert names == ["graph0_backward.py", "graph0_captured.py", "graph0_forward.py", "graph0_fuse_lm_head_loss.py",
+                     "graph0_rewritten.py"]
 
 
 def test_a_pass_that_fails_to_match_skips_with_the_error(monkeypatch):

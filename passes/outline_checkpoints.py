@@ -1,89 +1,33 @@
-"""Activation-checkpoint regions around the burstc passes: inlined before, restored after.
+"""Pass ``outline_checkpoints`` (stage dynamo, mesh only): the regions ``inline_checkpoints`` inlined are
+checkpointed again, around whatever the passes made of their nodes.
 
-Dynamo records ``torch.utils.checkpoint.checkpoint(layer, ...)`` (HF's
-``gradient_checkpointing_enable()``, torchtitan's activation checkpointing) as a
-``tag_activation_checkpoint`` higher-order op whose body is a separate graph.  The passes work on
-one flat graph (a mask built outside a layer is read inside it; sharding flows through the layer),
-so on a mesh the backend inlines every body first, tagging its nodes with their region, and after
-the passes outlines each region again into a new body with the original op's arguments.  AOTAutograd
-then checkpoints the rewritten layer as it would have the original (the ring attention inside
-it is recomputed in the backward, communication included).
+AOTAutograd then checkpoints the rewritten layer as it would have the original (the ring attention inside
+it is recomputed in the backward, communication included).  A region is outlined with the nodes the
+passes put between its nodes (the ring op that replaced its SDPA, say): every node on a path from one
+region node to another joins it, which keeps it convex.  A region that can't be restored that way (a node
+another region owns, an in-place write) stays inlined, which is exact but keeps its activations; the report
+says so (code ``pipeline.checkpoint_kept_inlined``).
 
-A region is outlined with the nodes the passes put between its nodes (the ring op that replaced its
-SDPA, say): every node on a path from one region node to another joins it, which keeps it convex.
-A region that can't be restored that way (a node another region owns, an in-place write) stays
-inlined, which is exact but keeps its activations; the report says so.
+Before::
+
+    y = <the region's nodes on x, rewritten>        # meta[REGION] = 0
+
+After::
+
+    out = tag_activation_checkpoint(burstc_checkpoint_body_0, x, use_reentrant=False)
+    y = out[0]
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from burstc.passes.graph_utils import is_mutating, val
+from burstc.passes.inline_checkpoints import CHECKPOINT, REGION, Region
+from burstc.refusals import PIPELINE
 
-CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
-REGION = "burstc_checkpoint_region"
-
-
-@dataclass
-class Region:
-    index: int
-    kwargs: dict
-    body_meta: dict = field(default_factory=dict)
-
-
-def _is_higher_order(node: fx.Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
-
-
-def _inlinable(gm: fx.GraphModule, node: fx.Node) -> bool:
-    body_node = node.args[0]
-    if not (isinstance(body_node, fx.Node) and body_node.op == "get_attr"):
-        return False
-    body = getattr(gm, body_node.target, None)
-    if not isinstance(body, fx.GraphModule):
-        return False
-    if any(_is_higher_order(n) or n.op in ("get_attr", "call_module") for n in body.graph.nodes):
-        return False  # nested regions or state of its own: leave it whole
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    tuple_uses_only = all(u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
-                          for u in node.users)
-    return len(placeholders) == len(node.args) - 1 and tuple_uses_only
-
-
-def inline_checkpoint_regions(gm: fx.GraphModule) -> list[Region]:
-    """Replace every ``tag_activation_checkpoint`` call by its body's nodes, tagged with the region."""
-    regions = []
-    for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target is CHECKPOINT and _inlinable(gm, node)):
-            continue
-        body_node, *operands = node.args
-        body = getattr(gm, body_node.target)
-        region = Region(len(regions), dict(node.kwargs), dict(getattr(body, "meta", {})))
-        env = dict(zip((n for n in body.graph.nodes if n.op == "placeholder"), operands))
-        outputs = ()
-        with gm.graph.inserting_before(node):
-            for body_op in body.graph.nodes:
-                if body_op.op == "placeholder":
-                    continue
-                if body_op.op == "output":
-                    outputs = fx.node.map_arg(body_op.args[0], lambda a: env[a])
-                    continue
-                copy = gm.graph.node_copy(body_op, lambda a: env[a])
-                copy.meta[REGION] = region.index
-                env[body_op] = copy
-        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        for user in list(node.users):
-            user.replace_all_uses_with(outputs[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-        if not body_node.users:
-            gm.graph.erase_node(body_node)
-        regions.append(region)
-    return regions
 
 
 def _reachable(starts, neighbours) -> set[fx.Node]:
@@ -179,3 +123,16 @@ def _outline(gm: fx.GraphModule, region: Region, region_nodes: set[fx.Node]) -> 
                     if n.op == "call_function" and "burstc" in str(n.target)})
     return (f"checkpoint region {region.index}: {len(ordered)} ops, {len(inputs)} inputs, {len(outputs)} outputs"
             + (f" (holds {', '.join(kinds)})" if kinds else ""))
+
+
+
+def outline_checkpoints(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
+    regions = context.facts.checkpoint_regions
+    if not regions:
+        return gm
+    restored, kept = outline_checkpoint_regions(gm, regions)
+    for line in restored:
+        context.rewrite("checkpoint_region", "graph", {"restored": line}, module="")
+    for line in kept:
+        context.skip("checkpoint_region", "graph", line, module="", code=PIPELINE.checkpoint_kept_inlined)
+    return gm

@@ -1,0 +1,80 @@
+"""The one lowering path after the Dynamo-stage passes:
+
+    AOTAutograd (joint graph -> burstc's partitioner hook) -> "aot_forward" / "aot_backward" passes
+    -> Inductor's ``compile_fx_inner`` or aot_eager (the graph run as is)
+
+Both backends go through the same hook points, so an AOT-stage pass (the coming ``schedule`` and
+``checkpoint`` passes) is a plain registry entry in ``burstc.passes.PASSES``.  The partitioner hook is
+:class:`BurstPartitioner`: today it runs torch's min-cut rematerialization partitioner unchanged (what
+both backends used before); recompute decisions of a ``checkpoint`` pass plug in there.
+
+The AOTAutograd cache is bypassed for burstc graphs so that the forward and backward graphs are
+recorded in the report and the AOT passes always run; Inductor's FX-graph cache (the expensive codegen)
+still applies, keyed on the partitioner's ``uuid()`` among the rest.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from burstc._logging import dump_graph, log_event
+from burstc.report import snapshot_graph
+
+
+class BurstPartitioner(CustomPartitionerFn):
+    """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner)."""
+
+    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        from functorch.compile import min_cut_rematerialization_partition
+
+        return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+def _stage_runner(stage: str, *, config, context, record):
+    """Records the AOT graph of ``stage`` ("forward"/"backward"), then runs that stage's passes on it."""
+    from burstc.passes import run_stage
+
+    def run(stage_gm: fx.GraphModule) -> fx.GraphModule:
+        record.graphs[stage] = snapshot_graph(stage_gm)
+        dump_graph(stage, record.graph_id, stage_gm)
+        log_event("passes", "graph %d: lowered %s graph (%d nodes)", record.graph_id, stage, len(stage_gm.graph.nodes))
+        return run_stage(f"aot_{stage}", stage_gm, config=config, context=context, graphs=record.graphs)
+
+    return run
+
+
+def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
+    """Compile the rewritten Dynamo graph ``gm`` with ``config.backend``; returns the callable Dynamo runs."""
+    run_forward = _stage_runner("forward", config=config, context=context, record=record)
+    run_backward = _stage_runner("backward", config=config, context=context, record=record)
+    partitioner = BurstPartitioner()
+    if config.backend == "aot_eager":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def eager_stage(run_passes):
+            def compile_stage(stage_gm, stage_inputs):
+                return make_boxed_func(run_passes(stage_gm).forward)
+            return compile_stage
+
+        aot = aot_autograd(fw_compiler=eager_stage(run_forward), bw_compiler=eager_stage(run_backward),
+                           partition_fn=partitioner)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return aot(gm, example_inputs)
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(stage_gm, stage_inputs, *args, **kwargs):
+        run_passes = run_backward if kwargs.get("is_backward") else run_forward
+        return compile_fx_inner(run_passes(stage_gm), stage_inputs, *args, **kwargs)
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                          config_patches={"custom_partitioner_fn": partitioner})
