@@ -37,8 +37,16 @@ class PassSpec:
     summary: str
     produces: tuple[str, ...] = ()
     consumes: tuple[str, ...] = ()
+    function: Callable | None = None
+    """The pass itself, for a pass defined outside ``passes/`` (a plugin, a test); else loaded by name."""
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"pass {self.name!r}: unknown stage {self.stage!r}; stages are {STAGES}")
 
     def load(self) -> Callable:
+        if self.function is not None:
+            return self.function
         return getattr(importlib.import_module(f"burstc.passes.{self.name}"), self.name)
 
 

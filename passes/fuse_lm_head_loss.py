@@ -50,6 +50,7 @@ from burstc.passes.graph_utils import is_method as _is_method
 from burstc.passes.graph_utils import set_meta as _set_meta
 from burstc.passes.graph_utils import shape_args
 from burstc.passes.graph_utils import val as _val
+from burstc.refusals import register_codes
 
 KIND = "lm_head_loss"
 _CROSS_ENTROPY_TARGETS = (F.cross_entropy,)
@@ -60,8 +61,31 @@ _RESHAPE_METHODS = ("view", "reshape", "flatten")
 _RESHAPE_FUNCTIONS = (torch.reshape, torch.flatten)
 
 
+CODES = register_codes("lm_head_loss", {
+    "softcap": "the logits' soft-cap is not one positive constant tanh cap",
+    "logit_scale": "the logits are scaled in a way the fused loss can't reproduce exactly",
+    "no_shape_info": "a node on the loss chain has no shape information",
+    "device_or_dtype": "the logits move to another device or dtype before the loss",
+    "vocab_reshape": "a reshape between the LM head and the loss changes the vocab dim",
+    "logits_source": "the logits are not computed by a linear in this graph",
+    "token_indexing": "the logits are indexed in a way the fused loss can't follow",
+    "unsupported_op": "an op between the LM head and the loss that the fusion does not understand",
+    "in_place_write": "the logits or the LM head's inputs are modified in place before the loss",
+    "log_softmax": "nll_loss whose input is not a plain log_softmax of the logits",
+    "loss_arguments": "loss arguments the fused loss does not reproduce (class weights, reductions, ...)",
+    "targets": "targets that are not int64 class indices",
+    "loss_shape": "loss input/target shapes the fused loss does not take",
+    "lm_head_weight": "the LM head weight is not a 2-D floating-point tensor",
+    "match_failed": "the matcher raised an unexpected error (a bug: please report it)",
+})
+
+
 class _Refuse(Exception):
-    """A candidate the pass won't rewrite; the message is the report's reason."""
+    """A candidate the pass won't rewrite: a registered code and the report's reason."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(reason)
+        self.code = code
 
 
 @dataclass
@@ -114,7 +138,7 @@ def _softcap_of(node: fx.Node):
             and isinstance(div_node.args[0], fx.Node) and _const(div_node.args[1]) == cap):
         return None
     if _const(cap) == 0:
-        raise _Refuse("logits soft-capped with c = 0 (x / 0)")
+        raise _Refuse(CODES.softcap, "logits soft-capped with c = 0 (x / 0)")
     # c * tanh(x / c) is the same function for -c (tanh is odd): the op takes the positive cap
     return abs(float(cap)), div_node.args[0], [tanh_node, div_node]
 
@@ -135,11 +159,11 @@ def _logit_scale_of(node: fx.Node):
     factor = float(factor)
     if is_div:
         if factor == 0.0 or not math.isfinite(factor) or math.frexp(abs(factor))[0] != 0.5:
-            raise _Refuse(f"logits divided by {factor:g}: only a power-of-two divisor (an exact reciprocal) is "
+            raise _Refuse(CODES.logit_scale, f"logits divided by {factor:g}: only a power-of-two divisor (an exact reciprocal) is "
                           "fused exactly")
         factor = 1.0 / factor
     if not math.isfinite(factor):
-        raise _Refuse(f"logits scaled by {factor:g}")
+        raise _Refuse(CODES.logit_scale, f"logits scaled by {factor:g}")
     return factor, tensor
 
 
@@ -154,15 +178,15 @@ def _vocab_preserving_source(node: fx.Node, what: str) -> fx.Node | None:
     source = node.args[0]
     val, src_val = _val(node), _val(source)
     if val is None or src_val is None:
-        raise _Refuse(f"no shape information on `{node.name}`")
+        raise _Refuse(CODES.no_shape_info, f"no shape information on `{node.name}`")
     if _is_method(node, "to", "type"):
         # judged from the values (``.to(other_tensor)`` carries its dtype in a tensor)
         if val.device != src_val.device:
-            raise _Refuse(f"`{node.name}` moves the {what} to another device before the loss")
+            raise _Refuse(CODES.device_or_dtype, f"`{node.name}` moves the {what} to another device before the loss")
         if val.dtype not in (torch.float32, src_val.dtype):
-            raise _Refuse(f"{what} are cast to {val.dtype} before the loss; the fused loss computes in float32")
+            raise _Refuse(CODES.device_or_dtype, f"{what} are cast to {val.dtype} before the loss; the fused loss computes in float32")
     elif val.shape[-1] != src_val.shape[-1]:
-        raise _Refuse(f"`{node.format_node()}` reshapes the vocab dim of the {what}")
+        raise _Refuse(CODES.vocab_reshape, f"`{node.format_node()}` reshapes the vocab dim of the {what}")
     return source
 
 
@@ -172,31 +196,31 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
     node = ce_input
     while True:
         if not isinstance(node, fx.Node):
-            raise _Refuse("cross_entropy input is not a graph value")
+            raise _Refuse(CODES.logits_source, "cross_entropy input is not a graph value")
         if _is_function(node, *_LINEAR_TARGETS):
             return node, chain, slices, softcap, logit_scale
         if node.op == "placeholder":
-            raise _Refuse("the logits come from outside this graph (a graph break between the LM head and the loss)")
+            raise _Refuse(CODES.logits_source, "the logits come from outside this graph (a graph break between the LM head and the loss)")
         val = _val(node)
         chain.append(node)
         source = _vocab_preserving_source(node, "logits")
         if source is not None:
             if slices and tuple(val.shape) != tuple(_val(source).shape):
                 # the slice indexes the regrouped tokens: applied to the hidden states it would pick others
-                raise _Refuse(f"the logits are sliced after `{node.name}` regroups their tokens")
+                raise _Refuse(CODES.token_indexing, f"the logits are sliced after `{node.name}` regroups their tokens")
             node = source
             continue
         if _is_function(node, operator.getitem):
             src_val = _val(node.args[0])
             if src_val is None or not _token_slice_ok(node.args[1], src_val.dim()):
-                raise _Refuse(f"`{node.name}` indexes the logits in a way the fused loss can't follow")
+                raise _Refuse(CODES.token_indexing, f"`{node.name}` indexes the logits in a way the fused loss can't follow")
             slices.append(node.args[1])
             node = node.args[0]
             continue
         capped = _softcap_of(node)
         if capped is not None:
             if softcap is not None:
-                raise _Refuse("two soft-caps on the logits")
+                raise _Refuse(CODES.softcap, "two soft-caps on the logits")
             softcap, node, cap_nodes = capped
             chain.extend(cap_nodes)
             continue
@@ -205,11 +229,11 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             factor, source = scaled
             if not _is_function(source, *_LINEAR_TARGETS):
                 # the op scales the linear's output in its dtype, before any upcast, reshape or soft-cap
-                raise _Refuse(f"logits scaled by a constant at `{node.name}`, not directly on the lm_head output")
+                raise _Refuse(CODES.logit_scale, f"logits scaled by a constant at `{node.name}`, not directly on the lm_head output")
             logit_scale, node = factor, source
             continue
         what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
-        raise _Refuse(f"op `{what}` between the lm_head linear and cross_entropy is not supported")
+        raise _Refuse(CODES.unsupported_op, f"op `{what}` between the lm_head linear and cross_entropy is not supported")
 
 
 def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
@@ -226,10 +250,10 @@ def find_lm_head_losses(gm: fx.GraphModule, context) -> list[LMHeadLossMatch]:
             _check_no_lost_writes(match, writes, position)
             matches.append(match)
         except _Refuse as refusal:
-            context.skip(KIND, node, str(refusal))
+            context.skip(KIND, node, str(refusal), code=refusal.code)
         except Exception as error:  # noqa: BLE001 - matching only reads the graph: skipping is always safe
             context.skip(KIND, node, f"the fusion pass failed to match this loss ({type(error).__name__}: "
-                                     f"{error}) - please report this")
+                                     f"{error}) - please report this", code=CODES.match_failed)
     return matches
 
 
@@ -242,9 +266,9 @@ def _check_no_lost_writes(match: LMHeadLossMatch, writes, position) -> None:
     operands = {n for n in (match.hidden, match.weight, match.bias) if isinstance(n, fx.Node)}
     for op, aliases in writes:
         if position[op] < end and aliases & logits:
-            raise _Refuse(f"the logits are modified in place (`{op.name}`) before the loss")
+            raise _Refuse(CODES.in_place_write, f"the logits are modified in place (`{op.name}`) before the loss")
         if start < position[op] < end and aliases & operands:
-            raise _Refuse(f"an input of the LM head is modified in place (`{op.name}`) before the loss")
+            raise _Refuse(CODES.in_place_write, f"an input of the LM head is modified in place (`{op.name}`) before the loss")
 
 
 def _log_softmax_source(nll_input: fx.Node):
@@ -255,9 +279,9 @@ def _log_softmax_source(nll_input: fx.Node):
     between, node = [], nll_input
     while True:
         if not isinstance(node, fx.Node) or node.op == "placeholder":
-            raise _Refuse("nll_loss input is not a log_softmax computed in this graph")
+            raise _Refuse(CODES.log_softmax, "nll_loss input is not a log_softmax computed in this graph")
         if len(node.users) != 1:
-            raise _Refuse(f"the log-probabilities (`{node.name}`) have another use besides nll_loss")
+            raise _Refuse(CODES.log_softmax, f"the log-probabilities (`{node.name}`) have another use besides nll_loss")
         between.append(node)
         is_log_softmax = _is_function(node, *_LOG_SOFTMAX_TARGETS) or _is_method(node, "log_softmax")
         if is_log_softmax:
@@ -267,15 +291,15 @@ def _log_softmax_source(nll_input: fx.Node):
             source, dim, dtype = kw.get("input"), kw.get("dim"), kw.get("dtype")
             source_val = _val(source)
             if source_val is None or not isinstance(dim, int) or dim not in (-1, source_val.dim() - 1):
-                raise _Refuse(f"log_softmax at `{node.name}` is not over the last (vocab) dim")
+                raise _Refuse(CODES.log_softmax, f"log_softmax at `{node.name}` is not over the last (vocab) dim")
             if dtype not in (None, torch.float32):
-                raise _Refuse(f"log_softmax at `{node.name}` computes in {dtype}; the fused loss computes in float32")
+                raise _Refuse(CODES.log_softmax, f"log_softmax at `{node.name}` computes in {dtype}; the fused loss computes in float32")
             return source, between
         source = _vocab_preserving_source(node, "log-probabilities")
         if source is not None:
             node = source
             continue
-        raise _Refuse(f"nll_loss input is not a log_softmax of the logits (it comes from `{node.name}`)")
+        raise _Refuse(CODES.log_softmax, f"nll_loss input is not a log_softmax of the logits (it comes from `{node.name}`)")
 
 
 def _untransposed_logits(ce_input: fx.Node) -> fx.Node | None:
@@ -301,28 +325,28 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     loss_name = "nll_loss" if is_nll else "cross_entropy"
     kw = _normalized_kwargs(loss_node)
     if kw is None:
-        raise _Refuse(f"could not normalize the {loss_name} call")
+        raise _Refuse(CODES.loss_arguments, f"could not normalize the {loss_name} call")
     if kw.get("weight") is not None:
-        raise _Refuse(f"{loss_name} with class weights is not fused (not reproduced exactly)")
+        raise _Refuse(CODES.loss_arguments, f"{loss_name} with class weights is not fused (not reproduced exactly)")
     if kw.get("size_average") is not None or kw.get("reduce") is not None:
-        raise _Refuse("legacy size_average/reduce arguments")
+        raise _Refuse(CODES.loss_arguments, "legacy size_average/reduce arguments")
     reduction = kw.get("reduction", "mean")
     if reduction not in ("mean", "sum", "none"):
-        raise _Refuse(f"reduction {reduction!r}")
+        raise _Refuse(CODES.loss_arguments, f"reduction {reduction!r}")
     label_smoothing = kw.get("label_smoothing", 0.0)
     ignore_index = kw.get("ignore_index", -100)
     if not isinstance(label_smoothing, (int, float)) or not isinstance(ignore_index, int):
-        raise _Refuse("label_smoothing / ignore_index are not constants")
+        raise _Refuse(CODES.loss_arguments, "label_smoothing / ignore_index are not constants")
     ce_input, target = kw["input"], kw["target"]
     in_val, target_val = _val(ce_input), _val(target)
     if in_val is None or target_val is None:
-        raise _Refuse(f"no shape information on the {loss_name} inputs")
+        raise _Refuse(CODES.no_shape_info, f"no shape information on the {loss_name} inputs")
     if target_val.is_floating_point():
-        raise _Refuse("targets are class probabilities, not indices")
+        raise _Refuse(CODES.targets, "targets are class probabilities, not indices")
     if target_val.dtype != torch.int64:
-        raise _Refuse(f"targets are {target_val.dtype}: {loss_name} takes int64 class indices (eager raises)")
+        raise _Refuse(CODES.targets, f"targets are {target_val.dtype}: {loss_name} takes int64 class indices (eager raises)")
     if target_val.dim() != in_val.dim() - 1:
-        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with targets of shape "
+        raise _Refuse(CODES.loss_shape, f"{loss_name} input of shape {tuple(in_val.shape)} with targets of shape "
                       f"{tuple(target_val.shape)} (the fused loss needs [tokens, vocab] and [tokens])")
     loss_side_nodes = []  # nodes between the loss and the logits that the walk below does not see
     if in_val.dim() == 3 and not is_nll:
@@ -330,12 +354,12 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
         # [B, S, V] logits transposed (each (b, s) is still one token); the target is [B, S] then
         transposed, ce_input = ce_input, _untransposed_logits(ce_input)
         if ce_input is None:
-            raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} with classes in dim 1 that is not the "
+            raise _Refuse(CODES.loss_shape, f"{loss_name} input of shape {tuple(in_val.shape)} with classes in dim 1 that is not the "
                           "transposed [B, S, vocab] logits")
         loss_side_nodes = [transposed]
         in_val = _val(ce_input)
     elif in_val.dim() != 2:
-        raise _Refuse(f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
+        raise _Refuse(CODES.loss_shape, f"{loss_name} input of shape {tuple(in_val.shape)} (the fused loss needs [tokens, vocab])")
 
     if is_nll:  # nll_loss(log_softmax(x)) is cross_entropy(x): fuse from the log-softmax's input
         ce_input, loss_side_nodes = _log_softmax_source(ce_input)
@@ -345,9 +369,9 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
     weight_val = _val(weight)
     if weight_val is None or weight_val.dim() != 2:
-        raise _Refuse("lm_head weight is not a 2-D tensor")
+        raise _Refuse(CODES.lm_head_weight, "lm_head weight is not a 2-D tensor")
     if not torch.is_floating_point(weight_val):
-        raise _Refuse("lm_head weight is not floating point")
+        raise _Refuse(CODES.lm_head_weight, "lm_head weight is not floating point")
     return LMHeadLossMatch(loss_node, linear, hidden, weight, bias, target, ignore_index, reduction,
                            float(label_smoothing), softcap, logit_scale, slices, chain)
 
