@@ -1,7 +1,9 @@
 """burstc: compiler passes over torch.compile graphs for long-sequence causal-LM training."""
 from burstc.api import compile, report
 from burstc.config import BurstConfig
+from burstc.ops.ring_attention import ring_attention, ring_attention_with_lse
 from burstc.report import Report, RewriteRecord, SkipRecord
 
-__all__ = ["compile", "report", "BurstConfig", "Report", "RewriteRecord", "SkipRecord"]
+__all__ = ["compile", "report", "BurstConfig", "Report", "RewriteRecord", "SkipRecord", "ring_attention",
+           "ring_attention_with_lse"]
 __version__ = "0.1.0"

@@ -201,3 +201,17 @@ def test_detect_attention_undoes_repeat_kv_into_a_gqa_match():
     assert match.key.op == "placeholder" and match.value.op == "placeholder"
     assert match.node.kwargs["enable_gqa"] is True
     assert not any(n.op == "call_method" and n.target in ("expand", "reshape") for n in gm.graph.nodes)
+
+
+def test_readme_names_real_paths_and_exported_api():
+    """Paths the README names exist, and every ``burstc.<name>(`` it shows is exported by ``burstc``."""
+    import re
+
+    root = Path(burstc.__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    paths = set(re.findall(r"`((?:burstc|passes|kernels|benchmarks|examples|tests)/[\w./-]*)`", readme))
+    assert paths, "the README names no paths?"
+    missing = sorted(p for p in paths if not (root / p.rstrip("/")).exists())
+    assert not missing, f"README names paths that do not exist: {missing}"
+    for name in set(re.findall(r"\bburstc\.(\w+)\(", readme)):
+        assert hasattr(burstc, name), f"README shows burstc.{name}(...) but burstc does not export it"
