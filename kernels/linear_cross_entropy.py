@@ -20,6 +20,10 @@ Semantics (what the chunked kernel reproduces, i.e. eager ``F.cross_entropy(F.li
 
 The chunked kernel never holds more than one chunk of logits: extra memory is O(C * V) plus the gradients. On CPU
 it walks only the non-ignored tokens (gathering their rows chunk by chunk), so masked prompt tokens cost nothing.
+
+Longer than ~400 lines because it holds one kernel family whole: the plain-torch reference beside the chunked
+forward and backward (fp32 vocab-major and low-precision token-major chunk layouts), and the memory arithmetic
+that sizes their chunks; the reference must stay next to what it checks.
 """
 from __future__ import annotations
 

@@ -27,6 +27,10 @@ Logits that are only returned as a graph output (raw, or as scaled, soft-capped 
 the loss: Gemma-2, Cohere and Granite return those) are dropped (``None`` is returned in their place) in a
 graph compiled for training, kept in one compiled under no_grad (evaluation), or as ``keep_logits``
 says; logits that anything else uses are kept, and the report says so.
+
+Longer than ~400 lines because the matcher is one walk (loss -> log_softmax/transposes -> upcasts, reshapes,
+slices, scale, soft-cap -> linear) whose every step either passes a value through exactly or refuses with
+a code: splitting the walk from its refusals would scatter one chain of reasoning over two files.
 """
 from __future__ import annotations
 

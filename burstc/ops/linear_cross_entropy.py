@@ -14,6 +14,9 @@ Public entry point: :func:`linear_cross_entropy`. Custom ops (namespace ``burstc
 The plain ``_*_impl`` functions are the ops' bodies (tests call them under a dispatch mode to see every
 allocation). All three ops are opaque to Dynamo/AOTAutograd (FakeTensor kernels give shapes), so they trace under
 ``torch.compile(fullgraph=True)`` and also hide Triton-interpreter kernels, which cannot be traced.
+
+Longer than ~400 lines because the three ops share their argument checks, autograd wiring and device dispatch
+(chunked torch / Triton): one op family, registered together.
 """
 from __future__ import annotations
 
