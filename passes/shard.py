@@ -21,11 +21,13 @@ the identity.  Parameter gradients are summed over the mesh in the backward (``r
 Anything the pass does not understand along the sequence axis (an op that mixes positions, a
 slice of the sequence, an attention mask, a sharded value it cannot place) makes it refuse the
 whole graph with the reason, and the graph runs unsharded: never a wrong result.
+
+The analysis (typed placements, one rule per op family, the ``shard.*`` refusal codes) lives in
+:mod:`burstc.sharding`; this file runs it and applies the resulting plan to the graph.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -33,620 +35,17 @@ import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.layout import required_multiple
-from burstc.ops.linear_cross_entropy import linear_cross_entropy
+from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
-from burstc.ops.sequence import gather_seq, grad_all_reduce, loss_all_reduce, shard_seq
-from burstc.passes.detect_attention import SDPA, sdpa_kwargs
-from burstc.passes.graph_utils import const_number, eliminate_dead_code, fake_mode_of, is_function, is_method, \
-    is_mutating, mutated_values, normalized_kwargs, op_name, placeholder_kind, prod, val
+from burstc.passes.detect_attention import sdpa_kwargs
+from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
+    placeholder_kind, val
+from burstc.refusals import Refused
+from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
+from burstc.sharding.codes import CODES
 
 KIND = "shard"
-R = None  # replicated placement
-
-_POINTWISE_FUNCTIONS = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.neg,
-    operator.pow, operator.and_, operator.or_, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
-    operator.ge, operator.invert, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.exp, torch.log, torch.tanh, torch.sigmoid,
-    torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.where, torch.pow, torch.abs, torch.clamp, torch.erf,
-    torch.square, torch.reciprocal, torch.maximum, torch.minimum, torch.relu,
-    F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus, F.leaky_relu, F.mish, F.elu,
-    torch.expm1, torch.log1p, torch.polar, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.erfc,
-    torch.atan, torch.atan2, torch.log2, torch.exp2, torch.sinh, torch.cosh, torch.logical_not, torch.logical_and,
-    torch.logical_or, torch.isnan, torch.isinf, torch.nan_to_num, torch.lerp, torch.addcmul, torch.addcdiv,
-    torch.clip, torch.fmod, torch.remainder, torch.true_divide,
-    F.hardtanh, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.logsigmoid, F.softsign, F.relu6,
-}
-_POINTWISE_METHODS = {
-    "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone", "detach", "sin", "cos",
-    "exp", "log", "pow", "neg", "sigmoid", "tanh", "rsqrt", "sqrt", "masked_fill", "add", "mul", "sub", "div",
-    "abs", "clamp", "relu", "square", "reciprocal", "__mul__", "__add__", "__sub__", "__truediv__", "float_power",
-    "expm1", "log1p", "sign", "floor", "ceil", "round", "trunc", "erf", "clip", "lerp", "addcmul", "nan_to_num",
-    "logical_not", "isnan", "where", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
-    "__rtruediv__",
-}
-_UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
-_REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"}
-_NO_TENSOR_SIDE_EFFECT = {"_log_api_usage_once"}
-
-
-class _Refuse(Exception):
-    def __init__(self, node: fx.Node, reason: str):
-        super().__init__(reason)
-        self.node = node
-
-
-@dataclass(frozen=True)
-class Merged:
-    """Placement of a dim that flattens (batch dims..., sequence) row-major, the sequence innermost (e.g.
-    HF's ``logits.view(-1, V)`` or GPT-2's ``x.view(-1, H)`` at batch > 1): ``outer`` batch rows of this
-    rank's tokens each, i.e. local extent ``outer * s`` in (batch, local token) order."""
-    dim: int
-    outer: int
-
-
-@dataclass
-class _Plan:
-    placement: dict = field(default_factory=dict)        # node -> dim | None | list (tuples)
-    shard_inputs: dict = field(default_factory=dict)     # node -> {input node: dim}
-    new_args: dict = field(default_factory=dict)         # node -> (args, kwargs)
-    attention: list = field(default_factory=list)        # SDPA nodes to become ring attention
-    losses: list = field(default_factory=list)           # fused loss nodes and plain cross_entropy nodes
-    merged_rows: dict = field(default_factory=dict)      # plain cross_entropy node -> batch rows merged in
-    outputs_to_gather: list = field(default_factory=list)
-
-
-def _norm_dim(d: int, ndim: int) -> int:
-    return d % ndim if ndim else d
-
-
-def find_sequence_length(gm: fx.GraphModule) -> int:
-    """The S of the token-index inputs ([B, S] integer placeholders); they must agree."""
-    lengths = set()
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or placeholder_kind(node) != "input":
-            continue
-        v = val(node)
-        if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.dim() >= 1:
-            lengths.add(v.shape[-1])
-    if not lengths:
-        raise ValueError("no token-index input (an integer [B, S] tensor) found")
-    if len(lengths) > 1:
-        raise ValueError(f"token-index inputs disagree on the sequence length: {sorted(lengths)}")
-    return lengths.pop()
-
-
-class _Analyzer:
-    def __init__(self, gm, seq_len, world_size, config, padded_len=None):
-        self.gm, self.S, self.P, self.config = gm, seq_len, world_size, config
-        self.padded_len = padded_len or seq_len
-        self.s = self.padded_len // world_size
-        self.plan = _Plan()
-        self.output_problem = None
-        self.loss_derived = set()
-        self.mutated = mutated_values(gm.graph)
-        self.current = None  # the node being analyzed (named if the analysis fails)
-        self.attention_matches = {}  # SDPA node -> AttentionMatch (detect_attention's facts)
-
-    # -- helpers -------------------------------------------------------------------------------
-    def place(self, a):
-        return self.plan.placement.get(a, R) if isinstance(a, fx.Node) else R
-
-    def refuse(self, node, reason):
-        raise _Refuse(node, reason)
-
-    def shard_input(self, node, inp, dim):
-        if inp in self.mutated:
-            # shard_seq copies the value where it is made, before the write
-            self.refuse(node, f"`{inp.name}` is modified in place and would be sharded before the write")
-        self.plan.shard_inputs.setdefault(node, {})[inp] = dim
-
-    def seq_dims(self, v):
-        return [i for i, n in enumerate(v.shape) if n == self.S] if isinstance(v, torch.Tensor) else []
-
-    def position_like(self, node) -> bool:
-        """An integer value that comes from the token inputs or from ``arange(S)``: positions, not
-        some other index tensor that happens to have S elements along a dim."""
-        from burstc.passes.graph_utils import ancestors
-
-        for a in ancestors(node):
-            if a.op == "placeholder" and placeholder_kind(a) == "input":
-                return True
-            if is_function(a, torch.arange) and isinstance(val(a), torch.Tensor) and val(a).numel() == self.S:
-                return True
-        return False
-
-    def tensor_args(self, node):
-        def tensor_like(v):
-            return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
-                isinstance(x, torch.Tensor) for x in v))
-        return [a for a in node.all_input_nodes if tensor_like(val(a))]
-
-    # -- op rules --------------------------------------------------------------------------------
-    def pointwise(self, node, operands):
-        n = val(node).dim()
-        placements = set()
-        for a in operands:
-            p, shift = self.place(a), n - val(a).dim()
-            if p is not R:
-                placements.add(Merged(p.dim + shift, p.outer) if isinstance(p, Merged) else p + shift)
-        if not placements:
-            return R
-        if len(placements) > 1:
-            self.refuse(node, "operands sharded along different dims")
-        out = placements.pop()
-        out_dim = out.dim if isinstance(out, Merged) else out
-        for a in operands:
-            if self.place(a) is not R:
-                continue
-            k = val(a).dim()
-            aligned = out_dim - (n - k)
-            if 0 <= aligned < k and val(a).shape[aligned] == self.S and not isinstance(out, Merged):
-                self.shard_input(node, a, aligned)
-            elif 0 <= aligned < k and val(a).shape[aligned] != 1:
-                self.refuse(node, f"replicated operand `{a.name}` does not line up with the sequence")
-        return out
-
-    def positionwise(self, node, x, placement):
-        """Dropout, linear and norms, which act on each token alone: ``placement`` (sharded along an int dim
-        or as merged rows) passes through when the op leaves the sequence dim alone; None if not one of them."""
-        args, kwargs = node.args, node.kwargs
-        seq_dim = placement.dim if isinstance(placement, Merged) else placement
-        if is_function(node, F.dropout):
-            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-            training = kwargs.get("training", args[2] if len(args) > 2 else True)
-            if training and p > 0:
-                self.refuse(node, "dropout > 0 in training (random masks can't match one device)")
-            return placement
-        if is_function(node, F.linear, torch._C._nn.linear):
-            if seq_dim == val(x).dim() - 1:
-                self.refuse(node, "linear over the sequence dim")
-            return placement
-        if node.op == "call_function" and getattr(node.target, "__name__", "") in ("layer_norm", "rms_norm"):
-            shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
-            n_norm = len(shape) if isinstance(shape, (list, tuple)) else 1
-            if seq_dim >= val(x).dim() - n_norm:
-                self.refuse(node, "normalization over the sequence dim")
-            return placement
-        return None
-
-    def reshape_dim(self, node, x, out_val):
-        d = self.place(x)
-        in_shape, out_shape = list(val(x).shape), list(out_val.shape)
-        prefix = prod(in_shape[:d])
-        for j in range(len(out_shape)):
-            if out_shape[j] == self.S and prod(out_shape[:j]) == prefix:
-                return j
-        # batch dims merged into the sequence dim, the sequence innermost: [B, S, H] -> [B * S, H]
-        for k in range(d):
-            outer = prod(in_shape[k:d])
-            for j in range(len(out_shape)):
-                if outer > 1 and out_shape[j] == outer * self.S and prod(out_shape[:j]) == prod(in_shape[:k]):
-                    return Merged(j, outer)
-        self.refuse(node, f"`{op_name(node)}` merges or splits the sequence dim ({in_shape} -> {out_shape})")
-
-    def reshape_merged(self, node, x, out_val, m: Merged):
-        """A reshape of a merged value: back to separate (batch..., sequence) dims, or still merged."""
-        in_shape, out_shape = list(val(x).shape), list(out_val.shape)
-        prefix = prod(in_shape[:m.dim])
-        for j in range(len(out_shape)):
-            if out_shape[j] == self.S and prod(out_shape[:j]) == prefix * m.outer and any(
-                    prod(out_shape[:k]) == prefix and prod(out_shape[k:j]) == m.outer for k in range(j + 1)):
-                return j
-            if out_shape[j] == m.outer * self.S and prod(out_shape[:j]) == prefix:
-                return Merged(j, m.outer)
-        self.refuse(node, f"`{op_name(node)}` reshapes merged batch and sequence dims ({in_shape} -> {out_shape})")
-
-    def local_shape(self, out_val, dim):
-        shape = list(out_val.shape)
-        if isinstance(dim, Merged):
-            shape[dim.dim] = dim.outer * self.s
-        else:
-            shape[dim] = self.s
-        return shape
-
-    def index_dims(self, node, x, index):
-        """Map the sequence dim through ``x[index]``; returns the output dim."""
-        d = self.place(x)
-        items = list(index) if isinstance(index, tuple) else [index]
-        ndim = val(x).dim()
-        if any(isinstance(i, fx.Node) for i in items):
-            self.refuse(node, "tensor indexing of a sharded value")
-        n_consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
-        expanded = []
-        for i in items:
-            if i is Ellipsis:
-                expanded.extend([slice(None)] * (ndim - n_consuming))
-            else:
-                expanded.append(i)
-        expanded.extend([slice(None)] * (ndim - sum(1 for i in expanded if i is not None)))
-        in_dim, out_dim, new_items, result = 0, 0, [], None
-        for i in expanded:
-            if i is None:
-                out_dim += 1
-                new_items.append(None)
-                continue
-            if in_dim == d:
-                full = isinstance(i, slice) and i.step in (None, 1) and (i.start in (None, 0)) \
-                    and (i.stop is None or i.stop >= self.S)
-                if not full:
-                    self.refuse(node, "slices or indexes the sequence dim")
-                result = out_dim
-                new_items.append(slice(None))
-            else:
-                new_items.append(i)
-            if not isinstance(i, int):
-                out_dim += 1
-            in_dim += 1
-        return result, tuple(new_items) if isinstance(index, tuple) else new_items[0]
-
-    def visit(self, node):
-        v = val(node)
-        ins = self.tensor_args(node)
-        sharded_ins = [a for a in ins if self.place(a) is not R]
-        target, args, kwargs = node.target, node.args, node.kwargs
-
-        if node.op == "call_function" and getattr(target, "__name__", "") in _NO_TENSOR_SIDE_EFFECT:
-            return R
-        if any(isinstance(self.place(a), Merged) for a in ins):
-            return self.visit_merged(node, ins)
-        if sharded_ins and is_mutating(node):
-            written = args[0] if args else None
-            if not isinstance(written, fx.Node) or self.place(written) is R:
-                # the write would land in a sharded copy while later readers see the replicated original
-                self.refuse(node, f"in-place `{op_name(node)}` writes sharded values into a replicated tensor")
-        # the fused LM-head loss
-        if is_function(node, linear_cross_entropy):
-            return self.visit_loss(node)
-        if is_function(node, F.cross_entropy) and sharded_ins:
-            return self.visit_cross_entropy(node)
-        if is_function(node, SDPA):
-            return self.visit_attention(node) if sharded_ins else R
-        # index -> activation: embedding and float conversion of replicated indices
-        if is_function(node, F.embedding, torch.embedding):
-            ids = args[0] if target is F.embedding else args[1]
-            if self.place(ids) is R:
-                dims = self.seq_dims(val(ids))
-                if not dims:
-                    return R
-                self.shard_input(node, ids, dims[-1])
-                return dims[-1]
-            return self.place(ids)
-        if not sharded_ins:
-            if (is_method(node, "float", "to", "type_as", "half", "bfloat16") and ins
-                    and isinstance(v, torch.Tensor) and v.is_floating_point()
-                    and not val(args[0]).is_floating_point() and len(self.seq_dims(val(args[0]))) == 1
-                    and self.position_like(args[0])):
-                dim = self.seq_dims(val(args[0]))[0]
-                self.shard_input(node, args[0], dim)
-                return dim
-            return R
-
-        # ops with a sharded input
-        x = args[0] if args else None
-        d = self.place(x)
-        if is_function(node, operator.getitem) and isinstance(d, list):
-            return d[args[1]]
-        if any(isinstance(self.place(a), list) for a in ins):
-            self.refuse(node, f"`{op_name(node)}` takes a tuple of sharded values")
-        if is_function(node, operator.getitem):
-            out_dim, new_index = self.index_dims(node, x, args[1])
-            if new_index != args[1]:
-                self.plan.new_args[node] = ((x, new_index), dict(kwargs))
-            return out_dim
-        if (node.op == "call_function" and target in _POINTWISE_FUNCTIONS) or \
-                (node.op == "call_method" and target in _POINTWISE_METHODS):
-            if node.op == "call_method" and target in _UNARY_FIRST_ARG_METHODS:
-                return d
-            return self.pointwise(node, ins)
-        if is_function(node, torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like):
-            return d  # a fresh tensor shaped like this rank's tokens
-        if is_function(node, torch.min, torch.max) or is_method(node, "min", "max"):
-            return self.visit_min_max(node, x, d)
-        out = self.positionwise(node, x, d)
-        if out is not None:
-            return out
-        if is_function(node, torch.softmax, F.softmax, torch.log_softmax, F.log_softmax) or \
-                is_method(node, "softmax", "log_softmax"):
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if dim is None or _norm_dim(dim, val(x).dim()) == d:
-                self.refuse(node, "softmax over the sequence dim")
-            return d
-        if is_method(node, *_REDUCTIONS) or (node.op == "call_function"
-                                              and getattr(target, "__name__", "") in _REDUCTIONS):
-            dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-            if dims is None:
-                self.refuse(node, f"`{op_name(node)}` reduces over all dims, including the sequence")
-            dims = [_norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            if d in dims:
-                self.refuse(node, f"`{op_name(node)}` reduces over the sequence dim")
-            return d if keepdim else d - sum(1 for i in dims if i < d)
-        if is_function(node, operator.matmul, torch.matmul, torch.bmm):
-            return self.visit_matmul(node)
-        if is_method(node, "transpose") or is_function(node, torch.transpose):
-            a, b = (_norm_dim(i, val(x).dim()) for i in args[1:3])
-            return b if d == a else a if d == b else d
-        if is_method(node, "permute") or is_function(node, torch.permute):
-            dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-            return [_norm_dim(i, val(x).dim()) for i in dims].index(d)
-        if is_method(node, "t"):
-            return 1 - d
-        if is_method(node, "unsqueeze") or is_function(node, torch.unsqueeze):
-            k = _norm_dim(args[1], v.dim())
-            return d + 1 if k <= d else d
-        if is_method(node, "squeeze") or is_function(node, torch.squeeze):
-            return self.reshape_dim(node, x, v)
-        if is_method(node, "view") and any(isinstance(a, torch.dtype) for a in args[1:]):
-            if v.shape != val(x).shape:
-                self.refuse(node, "dtype view that changes the shape of a sharded value")
-            return d
-        if is_method(node, "view", "reshape", "flatten", "unflatten") or \
-                is_function(node, torch.reshape, torch.flatten):
-            if any(isinstance(a, fx.Node) for a in args[1:]):
-                self.refuse(node, "dynamic reshape of a sharded value")
-            out_dim = self.reshape_dim(node, x, v)
-            if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
-                self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
-            return out_dim
-        if is_function(node, torch.addmm):  # GPT-2's Conv1D: addmm(bias, x_2d, weight)
-            if self.place(args[1]) != 0 or self.place(args[2]) is not R or self.place(args[0]) is not R:
-                self.refuse(node, "addmm with the sequence outside the rows of its first matrix")
-            return 0
-        if is_method(node, "repeat_interleave") or is_function(node, torch.repeat_interleave):
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
-            if dim is None or _norm_dim(dim, val(x).dim()) == d or isinstance(args[1] if len(args) > 1 else None,
-                                                                                fx.Node):
-                self.refuse(node, "repeat_interleave along (or flattening) the sequence dim")
-            return d
-        if is_method(node, "broadcast_to") or is_function(node, torch.broadcast_to):
-            out_dim = d + v.dim() - val(x).dim()
-            self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
-            return out_dim
-        if is_method(node, "expand", "repeat"):
-            out_dim = d + v.dim() - val(x).dim()
-            if is_method(node, "repeat"):
-                reps = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-                if reps[out_dim] != 1:
-                    self.refuse(node, "repeat along the sequence dim")
-            else:
-                self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
-            return out_dim
-        if is_function(node, torch.view_as_complex):
-            return d
-        if is_function(node, torch.view_as_real):
-            return d
-        if is_method(node, "split", "chunk", "unbind", "tensor_split") or \
-                is_function(node, torch.split, torch.chunk, torch.unbind):
-            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-            if is_method(node, "unbind") or is_function(node, torch.unbind):
-                dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            dim = _norm_dim(dim, val(x).dim())
-            if dim == d:
-                self.refuse(node, f"`{op_name(node)}` along the sequence dim")
-            out_d = d - 1 if (is_method(node, "unbind") or is_function(node, torch.unbind)) and dim < d else d
-            return [out_d] * len(v)
-        if is_function(node, torch.cat, torch.stack):
-            return self.visit_cat(node)
-        self.refuse(node, f"op `{op_name(node)}` on a sharded value is not supported by the shard pass")
-
-    def visit_cat(self, node):
-        tensors = list(node.args[0])
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-        v = val(node)
-        nonempty = [t for t in tensors if val(t).numel() > 0]
-        placed = [self.place(t) for t in nonempty]
-        dims = {p for p in placed if p is not R}
-        if len(dims) != 1:
-            self.refuse(node, "cat of values sharded along different dims")
-        d = dims.pop()
-        if node.target is torch.cat and _norm_dim(dim, v.dim()) == d:
-            if len(nonempty) == 1:
-                return d  # cat with empty tensors only (HF's cache init): pass-through
-            self.refuse(node, "cat along the sequence dim")
-        out_d = d + (1 if node.target is torch.stack and _norm_dim(dim, v.dim()) <= d else 0)
-        for t in nonempty:
-            if self.place(t) is R:
-                if val(t).shape[d] == self.S:
-                    self.shard_input(node, t, d)
-                else:
-                    self.refuse(node, f"replicated `{t.name}` in a cat with sharded values")
-        return out_d
-
-    def visit_matmul(self, node):
-        a, b = node.args[:2]
-        va, vb, v = val(a), val(b), val(node)
-        pa, pb = self.place(a), self.place(b)
-        n = v.dim()
-        if pa is not R and pa == va.dim() - 1:
-            self.refuse(node, "matmul contracts over the sequence dim (attention not recognized?)")
-        if pb is not R and vb.dim() >= 2 and pb == vb.dim() - 2:
-            self.refuse(node, "matmul contracts over the sequence dim (attention not recognized?)")
-        if pa is not R and pb is not R:
-            out_a = n - va.dim() + pa
-            out_b = n - vb.dim() + pb
-            if out_a != out_b or pa >= va.dim() - 2:
-                self.refuse(node, "matmul of two sharded values along different dims (attention scores?)")
-            return out_a
-        if pa is not R:
-            out = n - va.dim() + pa
-            if pa < va.dim() - 2 and vb.dim() > 2:
-                aligned = out - (n - vb.dim())
-                if 0 <= aligned < vb.dim() - 2 and vb.shape[aligned] == self.S:
-                    self.shard_input(node, b, aligned)
-            return out
-        out = n - 1 if pb == vb.dim() - 1 else n - vb.dim() + pb
-        if pb < vb.dim() - 2 and va.dim() > 2:
-            aligned = out - (n - va.dim())
-            if 0 <= aligned < va.dim() - 2 and va.shape[aligned] == self.S:
-                self.shard_input(node, a, aligned)
-        return out
-
-    def visit_attention(self, node):
-        kw = sdpa_kwargs(node)
-        q, k, v = kw["query"], kw["key"], kw["value"]
-        match = self.attention_matches.get(node)
-        if kw["attn_mask"] is not None or (match is not None and not match.shardable):
-            reason = match.refusal.reason if match is not None and match.refusal else "an attention mask"
-            self.refuse(node, f"attention with {reason} (masks are not supported by the ring op yet)")
-        if kw["dropout_p"]:
-            self.refuse(node, "attention dropout > 0")
-        for t in (q, k, v):
-            if self.place(t) is R:
-                self.refuse(node, f"attention operand `{t.name}` is not sharded")
-            if self.place(t) != val(t).dim() - 2 or val(t).dim() != 4:
-                self.refuse(node, "attention operands are not [B, H, S, D] with the sequence in dim 2")
-        self.plan.attention.append(node)
-        return 2
-
-    def visit_loss(self, node):
-        hidden, weight, target = node.args[:3]
-        if self.place(hidden) is R:
-            return R
-        if self.place(target) is not R:
-            self.refuse(node, "loss targets are already sharded")
-        d = self.place(hidden)
-        if d == val(hidden).dim() - 1:
-            self.refuse(node, "hidden states sharded along the hidden dim")
-        if tuple(val(target).shape) != tuple(val(hidden).shape[:-1]):
-            self.refuse(node, "loss targets do not have the hidden states' token shape")
-        self.plan.losses.append(node)
-        return R  # the all-reduce inserted after it makes the loss replicated
-
-    def visit_merged(self, node, ins):
-        """The few ops that run on merged (batch, sequence) rows: position-wise ones, and reshapes back."""
-        v, args, target = val(node), node.args, node.target
-        x = args[0] if args else None
-        m = self.place(x)
-        if is_function(node, F.cross_entropy):
-            return self.visit_cross_entropy(node)
-        if is_function(node, torch.addmm):  # GPT-2's Conv1D: addmm(bias, x.view(-1, H), weight)
-            rows = self.place(args[1])
-            if not isinstance(rows, Merged) or rows.dim != 0 or self.place(args[0]) is not R \
-                    or self.place(args[2]) is not R:
-                self.refuse(node, "addmm with merged batch and sequence rows outside its first matrix's rows")
-            return rows
-        if not isinstance(m, Merged):
-            self.refuse(node, f"`{op_name(node)}` with merged batch and sequence rows in a later operand")
-        if (node.op == "call_function" and target in _POINTWISE_FUNCTIONS) or \
-                (node.op == "call_method" and target in _POINTWISE_METHODS):
-            if node.op == "call_method" and target in _UNARY_FIRST_ARG_METHODS:
-                return m
-            return self.pointwise(node, ins)
-        out = self.positionwise(node, x, m)
-        if out is not None:
-            return out
-        if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
-            if any(isinstance(a, fx.Node) for a in args[1:]):
-                self.refuse(node, "dynamic reshape of a sharded value")
-            out_dim = self.reshape_merged(node, x, v, m)
-            self.plan.new_args[node] = ((x, tuple(self.local_shape(v, out_dim))), {})
-            return out_dim
-        self.refuse(node, f"`{op_name(node)}` on merged batch and sequence rows is not supported by the shard pass")
-
-    def visit_min_max(self, node, x, d):
-        """``min/max(a, b)``: pointwise; ``min/max(x, dim)``: (values, indices) reduced over ``dim``."""
-        args, kwargs = node.args, node.kwargs
-        other = kwargs.get("other", args[1] if len(args) > 1 else None)
-        if isinstance(other, fx.Node) and isinstance(val(other), torch.Tensor):
-            return self.pointwise(node, self.tensor_args(node))
-        dim = kwargs.get("dim", other)
-        if not isinstance(dim, int):
-            self.refuse(node, f"`{op_name(node)}` reduces over all dims, including the sequence")
-        dim = _norm_dim(dim, val(x).dim())
-        if dim == d:
-            self.refuse(node, f"`{op_name(node)}` reduces over the sequence dim")
-        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-        out = d if keepdim or dim > d else d - 1
-        return [out, out]
-
-    def visit_cross_entropy(self, node):
-        """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
-        between the head and the loss, or the fusion switched off): per-token losses on the local rows,
-        gathered, then the requested reduction on the full, replicated vector (see :func:`_apply`)."""
-        kw = normalized_kwargs(node)
-        if kw is None:
-            self.refuse(node, "could not normalize the cross_entropy call on sharded logits")
-        logits, target = kw["input"], kw["target"]
-        if kw.get("weight") is not None:
-            self.refuse(node, "cross_entropy with class weights on sharded logits")
-        if kw.get("size_average") is not None or kw.get("reduce") is not None:
-            self.refuse(node, "cross_entropy with the legacy size_average/reduce arguments")
-        if kw.get("reduction", "mean") not in ("mean", "sum", "none"):
-            self.refuse(node, f"cross_entropy reduction {kw.get('reduction')!r}")
-        if not isinstance(kw.get("ignore_index", -100), int):
-            self.refuse(node, "cross_entropy ignore_index is not a constant")
-        logits_val, target_val = val(logits), val(target)
-        placement = self.place(logits)
-        rows = placement.outer if isinstance(placement, Merged) and placement.dim == 0 else 1 if placement == 0 else None
-        if logits_val.dim() != 2 or rows is None:
-            self.refuse(node, "cross_entropy on sharded logits that are not [tokens, classes] with the "
-                              "tokens sharded")
-        if self.place(target) is not R:
-            self.refuse(node, "cross_entropy targets are already sharded")
-        if target_val.dim() != 1 or target_val.shape[0] != rows * self.S or target_val.dtype.is_floating_point:
-            self.refuse(node, "cross_entropy targets are not class indices, one per token of the batch")
-        self.plan.merged_rows[node] = rows
-        self.plan.losses.append(node)
-        return R  # the per-token losses are gathered: the loss is replicated
-
-    def run(self):
-        for node in self.gm.graph.nodes:
-            self.current = node
-            if node.op == "placeholder" or node.op == "get_attr":
-                self.plan.placement[node] = R
-            elif node.op in ("call_function", "call_method"):
-                self.plan.placement[node] = self.visit(node)
-                self.check_loss_terms(node)
-            elif node.op == "call_module":
-                if any(self.place(a) is not R for a in node.all_input_nodes):
-                    self.refuse(node, f"submodule call `{node.target}` on a sharded value")
-                self.plan.placement[node] = R
-            elif node.op == "output":
-                self.visit_output(node)
-        return self.plan
-
-    def check_loss_terms(self, node):
-        """A replicated value that needs gradients combined with the (all-reduced) loss, e.g. a
-        regularizer ``loss + c * w.pow(2).sum()``: every rank would add its full gradient and the
-        parameter-gradient all-reduce would count it P times.  Refuse."""
-        if node in self.plan.losses:
-            self.loss_derived.add(node)
-            return
-        if not any(a in self.loss_derived for a in node.all_input_nodes):
-            return
-        self.loss_derived.add(node)
-        for a in node.all_input_nodes:
-            v = val(a)
-            if a not in self.loss_derived and self.place(a) is R and isinstance(v, torch.Tensor) and v.requires_grad:
-                self.refuse(node, f"`{a.name}` (replicated, needs gradients) is combined with the loss; its "
-                                  "gradient would be counted once per rank")
-
-    def visit_output(self, node):
-        for i, out in enumerate(node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]):
-            if not isinstance(out, fx.Node):
-                continue
-            p = self.place(out)
-            if isinstance(p, Merged):
-                self.output_problem = (out, f"output `{out.name}` has merged batch and sequence rows "
-                                            "(not gathered yet)")
-            elif isinstance(p, int):
-                self.plan.outputs_to_gather.append((i, out))
-            elif isinstance(val(out), torch.Tensor) and val(out).requires_grad and not self._depends_on_loss(out):
-                self.output_problem = (out, f"output `{out.name}` is computed by replicated ops only from "
-                                            "values that need gradients (they would be counted once per rank)")
-
-    def _depends_on_loss(self, node):
-        seen, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n in self.plan.losses:
-                return True
-            stack.extend(n.all_input_nodes)
-        return False
+_Analyzer = Analyzer  # the old name, which tests patch
 
 
 def _group_name(context) -> str:
@@ -654,7 +53,7 @@ def _group_name(context) -> str:
     return mesh.get_group().group_name
 
 
-def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
+def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
     graph = gm.graph
     layout = config.layout
     shard_cache = {}
@@ -710,7 +109,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
                                  analyzer.s)
             continue
         hidden, weight, target = node.args[:3]
-        d = analyzer.place(hidden)
+        d = analyzer.place(hidden).dim
         ignore_index = node.kwargs.get("ignore_index", -100)
         with graph.inserting_before(node):
             # the fused-loss pass gave the targets the hidden states' token shape: split them alike
@@ -741,7 +140,7 @@ def _apply(gm, plan: _Plan, analyzer: _Analyzer, config, context, group_name):
     for index, out in plan.outputs_to_gather:
         with graph.inserting_before(output_node):
             full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                       (out, analyzer.place(out), group_name, layout, analyzer.S))
+                                       (out, analyzer.place(out).dim, group_name, layout, analyzer.S))
         output_node.args = (tuple(full if (i == index) else o for i, o in enumerate(output_node.args[0])),)
         gathered.append(out.name)
 
@@ -813,22 +212,23 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     try:
         seq_len = find_sequence_length(gm)
     except ValueError as why:
-        context.skip(KIND, "graph", f"{why}; the graph runs unsharded", module="")
+        context.skip(KIND, "graph", f"{why}; the graph runs unsharded", module="", code=CODES.sequence_length)
         return gm
     multiple = required_multiple(context.world_size, config.layout)
     padded_len = -(-seq_len // multiple) * multiple
-    analyzer = _Analyzer(gm, seq_len, context.world_size, config, padded_len)
+    analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)
     analyzer.attention_matches = context.facts.attention
     try:
         plan = analyzer.run()
-    except _Refuse as refusal:
-        context.skip(KIND, refusal.node, f"{refusal}; the whole graph runs unsharded (replicated on every rank)")
+    except Refused as refusal:
+        context.skip(KIND, refusal.node, f"{refusal}; the whole graph runs unsharded (replicated on every rank)",
+                     code=refusal.code)
         return gm
     except Exception as error:  # noqa: BLE001 - the analysis only reads the graph: refusing is always safe
         node = analyzer.current or "graph"
         context.skip(KIND, node, f"the shard pass failed to analyze `{getattr(node, 'name', node)}` "
                                  f"({type(error).__name__}: {error}); the whole graph runs unsharded "
-                                 "(replicated on every rank) - please report this")
+                                 "(replicated on every rank) - please report this", code=CODES.analysis_failed)
         return gm
     if padded_len != seq_len and not all(sdpa_kwargs(n)["is_causal"] for n in plan.attention):
         # padding at the end is exact only when no real token can see a pad: causal attention
@@ -838,11 +238,12 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             f"attention; pad the batch to a multiple of {multiple}")
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
-                     module="")
+                     module="", code=CODES.no_sequence_work)
         return gm
     if analyzer.output_problem is not None:
-        node, reason = analyzer.output_problem
-        context.skip(KIND, node, f"{reason}; the whole graph runs unsharded (replicated on every rank)")
+        problem = analyzer.output_problem
+        context.skip(KIND, problem.node, f"{problem}; the whole graph runs unsharded (replicated on every rank)",
+                     code=problem.code)
         return gm
     group_name = _group_name(context)
     gathered = _apply(gm, plan, analyzer, config, context, group_name)

@@ -1,0 +1,656 @@
+"""The shard analysis's op rules, one per op family, in three ordered tables.
+
+A rule is ``apply(analyzer, node) -> Placement`` behind a ``matches(analyzer, node)`` test; it may record
+rewrites in ``analyzer.plan`` (inputs to shard, new shape arguments, attention and loss nodes) or raise
+:class:`~burstc.refusals.Refused` with a :data:`~burstc.sharding.codes.CODES` code.  The analyzer picks
+the table from the node's input placements and applies the first rule that matches:
+
+- :data:`REPLICATED_RULES`: every input replicated (where indices become activations);
+- :data:`SHARDED_RULES`: some input sharded along one dim (or a tuple of such);
+- :data:`MERGED_RULES`: some input has merged (batch, sequence) rows.
+
+The order inside a table is part of the semantics (e.g. a dtype ``view`` before a reshaping one).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from burstc.ops.linear_cross_entropy import linear_cross_entropy
+from burstc.passes.detect_attention import SDPA, sdpa_kwargs
+from burstc.passes.graph_utils import is_function, is_method, is_mutating, normalized_kwargs, op_name, prod, val
+from burstc.refusals import Refused
+from burstc.sharding.codes import CODES
+from burstc.sharding.placements import REPLICATE, MergedRows, Placement, Shard, TuplePlacement, is_sharded
+
+if TYPE_CHECKING:
+    from burstc.sharding.analysis import Analyzer
+
+POINTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.neg,
+    operator.pow, operator.and_, operator.or_, operator.eq, operator.ne, operator.lt, operator.le, operator.gt,
+    operator.ge, operator.invert, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.exp, torch.log, torch.tanh, torch.sigmoid,
+    torch.rsqrt, torch.sqrt, torch.sin, torch.cos, torch.where, torch.pow, torch.abs, torch.clamp, torch.erf,
+    torch.square, torch.reciprocal, torch.maximum, torch.minimum, torch.relu,
+    F.silu, F.gelu, F.relu, F.sigmoid, F.tanh, F.softplus, F.leaky_relu, F.mish, F.elu,
+    torch.expm1, torch.log1p, torch.polar, torch.sign, torch.floor, torch.ceil, torch.round, torch.trunc, torch.erfc,
+    torch.atan, torch.atan2, torch.log2, torch.exp2, torch.sinh, torch.cosh, torch.logical_not, torch.logical_and,
+    torch.logical_or, torch.isnan, torch.isinf, torch.nan_to_num, torch.lerp, torch.addcmul, torch.addcdiv,
+    torch.clip, torch.fmod, torch.remainder, torch.true_divide,
+    F.hardtanh, F.hardswish, F.hardsigmoid, F.selu, F.celu, F.logsigmoid, F.softsign, F.relu6,
+}
+POINTWISE_METHODS = {
+    "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone", "detach", "sin", "cos",
+    "exp", "log", "pow", "neg", "sigmoid", "tanh", "rsqrt", "sqrt", "masked_fill", "add", "mul", "sub", "div",
+    "abs", "clamp", "relu", "square", "reciprocal", "__mul__", "__add__", "__sub__", "__truediv__", "float_power",
+    "expm1", "log1p", "sign", "floor", "ceil", "round", "trunc", "erf", "clip", "lerp", "addcmul", "nan_to_num",
+    "logical_not", "isnan", "where", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
+    "__rtruediv__",
+}
+UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"}
+NO_TENSOR_SIDE_EFFECT = {"_log_api_usage_once"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``apply`` for the ops ``matches`` accepts; ``family`` names it in tables and tests."""
+    family: str
+    matches: Callable[[Analyzer, fx.Node], bool]
+    apply: Callable[[Analyzer, fx.Node], Placement]
+
+    def __call__(self, analyzer: Analyzer, node: fx.Node) -> Placement:
+        return self.apply(analyzer, node)
+
+
+def rule(family: str, matches: Callable[[Analyzer, fx.Node], bool]):
+    """Make the decorated ``apply(analyzer, node)`` a :class:`Rule`; the tables at the end order them."""
+    return lambda apply: Rule(family, matches, apply)
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d % ndim if ndim else d
+
+
+def first_arg(node: fx.Node):
+    return node.args[0] if node.args else None
+
+
+def on_functions(*targets):
+    return lambda analyzer, node: is_function(node, *targets)
+
+
+def on_methods(*names):
+    return lambda analyzer, node: is_method(node, *names)
+
+
+def on_ops(functions=(), methods=()):
+    return lambda analyzer, node: is_function(node, *functions) or is_method(node, *methods)
+
+
+def is_pointwise(analyzer, node) -> bool:
+    return (node.op == "call_function" and node.target in POINTWISE_FUNCTIONS) or \
+        (node.op == "call_method" and node.target in POINTWISE_METHODS)
+
+
+# -- every table ------------------------------------------------------------------------------------
+@rule("side_effect_free", lambda analyzer, node: node.op == "call_function"
+      and getattr(node.target, "__name__", "") in NO_TENSOR_SIDE_EFFECT)
+def side_effect_free(analyzer, node):
+    return REPLICATE
+
+
+# -- in-place writes -------------------------------------------------------------------------------
+def writes_into_replicated(analyzer, node) -> bool:
+    written = first_arg(node)
+    return is_mutating(node) and (not isinstance(written, fx.Node) or not is_sharded(analyzer.place(written)))
+
+
+@rule("inplace", writes_into_replicated)
+def refuse_inplace_write(analyzer, node):
+    # the write would land in a sharded copy while later readers see the replicated original
+    raise Refused(CODES.inplace_write, f"in-place `{op_name(node)}` writes sharded values into a replicated tensor",
+                  node)
+
+
+# -- losses and attention --------------------------------------------------------------------------
+@rule("fused_loss", on_functions(linear_cross_entropy))
+def fused_loss(analyzer, node):
+    hidden, weight, target = node.args[:3]
+    placement = analyzer.place(hidden)
+    if not is_sharded(placement):
+        return REPLICATE
+    if is_sharded(analyzer.place(target)):
+        raise Refused(CODES.loss_targets, "loss targets are already sharded", node)
+    if placement.dim == val(hidden).dim() - 1:
+        raise Refused(CODES.loss_arguments, "hidden states sharded along the hidden dim", node)
+    if tuple(val(target).shape) != tuple(val(hidden).shape[:-1]):
+        raise Refused(CODES.loss_targets, "loss targets do not have the hidden states' token shape", node)
+    analyzer.plan.losses.append(node)
+    return REPLICATE  # the all-reduce inserted after it makes the loss replicated
+
+
+@rule("cross_entropy", on_functions(F.cross_entropy))
+def cross_entropy(analyzer, node):
+    """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
+    between the head and the loss, or the fusion switched off): per-token losses on the local rows,
+    gathered, then the requested reduction on the full, replicated vector (see the pass's rewrite)."""
+    kw = normalized_kwargs(node)
+    if kw is None:
+        raise Refused(CODES.loss_arguments, "could not normalize the cross_entropy call on sharded logits", node)
+    logits, target = kw["input"], kw["target"]
+    if kw.get("weight") is not None:
+        raise Refused(CODES.loss_arguments, "cross_entropy with class weights on sharded logits", node)
+    if kw.get("size_average") is not None or kw.get("reduce") is not None:
+        raise Refused(CODES.loss_arguments, "cross_entropy with the legacy size_average/reduce arguments", node)
+    if kw.get("reduction", "mean") not in ("mean", "sum", "none"):
+        raise Refused(CODES.loss_arguments, f"cross_entropy reduction {kw.get('reduction')!r}", node)
+    if not isinstance(kw.get("ignore_index", -100), int):
+        raise Refused(CODES.loss_arguments, "cross_entropy ignore_index is not a constant", node)
+    logits_val, target_val = val(logits), val(target)
+    placement = analyzer.place(logits)
+    rows = placement.outer if isinstance(placement, MergedRows) and placement.dim == 0 \
+        else 1 if placement == Shard(0) else None
+    if logits_val.dim() != 2 or rows is None:
+        raise Refused(CODES.loss_arguments, "cross_entropy on sharded logits that are not [tokens, classes] with "
+                                            "the tokens sharded", node)
+    if is_sharded(analyzer.place(target)):
+        raise Refused(CODES.loss_targets, "cross_entropy targets are already sharded", node)
+    if target_val.dim() != 1 or target_val.shape[0] != rows * analyzer.S or target_val.dtype.is_floating_point:
+        raise Refused(CODES.loss_targets, "cross_entropy targets are not class indices, one per token of the batch",
+                      node)
+    analyzer.plan.merged_rows[node] = rows
+    analyzer.plan.losses.append(node)
+    return REPLICATE  # the per-token losses are gathered: the loss is replicated
+
+
+@rule("attention", on_functions(SDPA))
+def attention(analyzer, node):
+    """Causal SDPA on sharded [B, H, S, D] operands: becomes ring attention in the rewrite."""
+    kw = sdpa_kwargs(node)
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    match = analyzer.attention_matches.get(node)  # detect_attention's AttentionMatch, when it ran
+    if kw["attn_mask"] is not None or (match is not None and not match.shardable):
+        reason = match.refusal.reason if match is not None and match.refusal else "an attention mask"
+        raise Refused(CODES.attention_mask,
+                      f"attention with {reason} (masks are not supported by the ring op yet)", node)
+    if kw["dropout_p"]:
+        raise Refused(CODES.dropout_in_training, "attention dropout > 0", node)
+    for t in (q, k, v):
+        if not is_sharded(analyzer.place(t)):
+            raise Refused(CODES.attention_operands, f"attention operand `{t.name}` is not sharded", node)
+        if analyzer.place(t) != Shard(val(t).dim() - 2) or val(t).dim() != 4:
+            raise Refused(CODES.attention_operands,
+                          "attention operands are not [B, H, S, D] with the sequence in dim 2", node)
+    analyzer.plan.attention.append(node)
+    return Shard(2)
+
+
+# -- where token indices become activations ----------------------------------------------------------
+@rule("embedding", on_functions(F.embedding, torch.embedding))
+def embedding(analyzer, node):
+    """``embedding(ids)`` shards replicated ids along their sequence dim first (``burstc::shard_seq``)."""
+    ids = node.args[0] if node.target is F.embedding else node.args[1]
+    if is_sharded(analyzer.place(ids)):
+        return analyzer.place(ids)
+    dims = analyzer.seq_dims(val(ids))
+    if not dims:
+        return REPLICATE
+    analyzer.shard_input(node, ids, dims[-1])
+    return Shard(dims[-1])
+
+
+def converts_positions_to_float(analyzer, node) -> bool:
+    """``positions.float()``: an integer value with one sequence dim, from the token inputs or ``arange(S)``."""
+    v, source = val(node), first_arg(node)
+    return (is_method(node, "float", "to", "type_as", "half", "bfloat16") and bool(analyzer.tensor_args(node))
+            and isinstance(v, torch.Tensor) and v.is_floating_point()
+            and not val(source).is_floating_point() and len(analyzer.seq_dims(val(source))) == 1
+            and analyzer.position_like(source))
+
+
+@rule("positions_to_float", converts_positions_to_float)
+def positions_to_float(analyzer, node):
+    dim = analyzer.seq_dims(val(node.args[0]))[0]
+    analyzer.shard_input(node, node.args[0], dim)
+    return Shard(dim)
+
+
+# -- tuples ------------------------------------------------------------------------------------------
+@rule("tuple_item", lambda analyzer, node: is_function(node, operator.getitem)
+      and isinstance(analyzer.place(first_arg(node)), TuplePlacement))
+def tuple_item(analyzer, node):
+    return analyzer.place(node.args[0])[node.args[1]]
+
+
+@rule("tuple_operand", lambda analyzer, node: any(
+    isinstance(analyzer.place(a), TuplePlacement) for a in analyzer.tensor_args(node)))
+def refuse_tuple_operand(analyzer, node):
+    raise Refused(CODES.unsupported_op, f"`{op_name(node)}` takes a tuple of sharded values", node)
+
+
+# -- indexing and slicing ----------------------------------------------------------------------------
+@rule("indexing", on_functions(operator.getitem))
+def indexing(analyzer, node):
+    """``x[index]`` keeps the sequence dim whole (full slices only); ``...`` and ``None`` move it."""
+    x, index = node.args[:2]
+    items = list(index) if isinstance(index, tuple) else [index]
+    ndim = val(x).dim()
+    if any(isinstance(i, fx.Node) for i in items):
+        raise Refused(CODES.slices_sequence, "tensor indexing of a sharded value", node)
+    d = analyzer.place(x).dim
+    n_consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+    expanded = []
+    for i in items:
+        if i is Ellipsis:
+            expanded.extend([slice(None)] * (ndim - n_consuming))
+        else:
+            expanded.append(i)
+    expanded.extend([slice(None)] * (ndim - sum(1 for i in expanded if i is not None)))
+    in_dim, out_dim, new_items, result = 0, 0, [], None
+    for i in expanded:
+        if i is None:
+            out_dim += 1
+            new_items.append(None)
+            continue
+        if in_dim == d:
+            full = isinstance(i, slice) and i.step in (None, 1) and (i.start in (None, 0)) \
+                and (i.stop is None or i.stop >= analyzer.S)
+            if not full:
+                raise Refused(CODES.slices_sequence, "slices or indexes the sequence dim", node)
+            result = out_dim
+            new_items.append(slice(None))
+        else:
+            new_items.append(i)
+        if not isinstance(i, int):
+            out_dim += 1
+        in_dim += 1
+    new_index = tuple(new_items) if isinstance(index, tuple) else new_items[0]
+    if new_index != index:
+        analyzer.plan.new_args[node] = ((x, new_index), dict(node.kwargs))
+    return Shard(result)
+
+
+# -- pointwise ---------------------------------------------------------------------------------------
+@rule("pointwise", is_pointwise)
+def pointwise_op(analyzer, node):
+    if node.op == "call_method" and node.target in UNARY_FIRST_ARG_METHODS:
+        return analyzer.place(first_arg(node))
+    return pointwise(analyzer, node, analyzer.tensor_args(node))
+
+
+def pointwise(analyzer, node, operands) -> Placement:
+    """Broadcasting elementwise op: all sharded operands must agree; a replicated operand with the full S
+    on the aligned dim is sharded there (RoPE tables), one of extent 1 broadcasts, anything else refuses."""
+    n = val(node).dim()
+    placements = {analyzer.place(a).shifted(n - val(a).dim()) for a in operands if is_sharded(analyzer.place(a))}
+    if not placements:
+        return REPLICATE
+    if len(placements) > 1:
+        raise Refused(CODES.misaligned_operands, "operands sharded along different dims", node)
+    out = placements.pop()
+    for a in operands:
+        if is_sharded(analyzer.place(a)):
+            continue
+        k = val(a).dim()
+        aligned = out.dim - (n - k)
+        if 0 <= aligned < k and val(a).shape[aligned] == analyzer.S and not isinstance(out, MergedRows):
+            analyzer.shard_input(node, a, aligned)
+        elif 0 <= aligned < k and val(a).shape[aligned] != 1:
+            raise Refused(CODES.misaligned_operands,
+                          f"replicated operand `{a.name}` does not line up with the sequence", node)
+    return out
+
+
+@rule("like_constructor", on_functions(torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like))
+def like_constructor(analyzer, node):
+    return analyzer.place(first_arg(node))  # a fresh tensor shaped like this rank's tokens
+
+
+@rule("min_max", on_ops((torch.min, torch.max), ("min", "max")))
+def min_max(analyzer, node):
+    """``min/max(a, b)``: pointwise; ``min/max(x, dim)``: (values, indices) reduced over ``dim``."""
+    args, kwargs = node.args, node.kwargs
+    x = first_arg(node)
+    other = kwargs.get("other", args[1] if len(args) > 1 else None)
+    if isinstance(other, fx.Node) and isinstance(val(other), torch.Tensor):
+        return pointwise(analyzer, node, analyzer.tensor_args(node))
+    dim = kwargs.get("dim", other)
+    if not isinstance(dim, int):
+        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over all dims, including the sequence",
+                      node)
+    dim = norm_dim(dim, val(x).dim())
+    d = analyzer.place(x).dim
+    if dim == d:
+        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over the sequence dim", node)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    out = Shard(d if keepdim or dim > d else d - 1)
+    return TuplePlacement((out, out))
+
+
+# -- position-wise: dropout, linear, norms (they act on each token alone) --------------------------------
+@rule("dropout", on_functions(F.dropout))
+def dropout(analyzer, node):
+    args, kwargs = node.args, node.kwargs
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    training = kwargs.get("training", args[2] if len(args) > 2 else True)
+    if training and p > 0:
+        raise Refused(CODES.dropout_in_training, "dropout > 0 in training (random masks can't match one device)",
+                      node)
+    return analyzer.place(first_arg(node))
+
+
+@rule("linear", on_functions(F.linear, torch._C._nn.linear))
+def linear(analyzer, node):
+    x = first_arg(node)
+    placement = analyzer.place(x)
+    if is_sharded(placement) and placement.dim == val(x).dim() - 1:
+        raise Refused(CODES.mixes_positions, "linear over the sequence dim", node)
+    return placement
+
+
+@rule("norm", lambda analyzer, node: node.op == "call_function"
+      and getattr(node.target, "__name__", "") in ("layer_norm", "rms_norm"))
+def norm(analyzer, node):
+    args, kwargs = node.args, node.kwargs
+    x = first_arg(node)
+    placement = analyzer.place(x)
+    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+    n_norm = len(shape) if isinstance(shape, (list, tuple)) else 1
+    if placement.dim >= val(x).dim() - n_norm:
+        raise Refused(CODES.mixes_positions, "normalization over the sequence dim", node)
+    return placement
+
+
+# -- softmax and reductions --------------------------------------------------------------------------
+@rule("softmax", on_ops((torch.softmax, F.softmax, torch.log_softmax, F.log_softmax), ("softmax", "log_softmax")))
+def softmax(analyzer, node):
+    x = first_arg(node)
+    placement = analyzer.place(x)
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    if dim is None or norm_dim(dim, val(x).dim()) == placement.dim:
+        raise Refused(CODES.mixes_positions, "softmax over the sequence dim", node)
+    return placement
+
+
+@rule("reduction", lambda analyzer, node: is_method(node, *REDUCTIONS) or (
+    node.op == "call_function" and getattr(node.target, "__name__", "") in REDUCTIONS))
+def reduction(analyzer, node):
+    args, kwargs = node.args, node.kwargs
+    x = first_arg(node)
+    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    if dims is None:
+        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over all dims, including the sequence",
+                      node)
+    d = analyzer.place(x).dim
+    dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if d in dims:
+        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over the sequence dim", node)
+    return Shard(d if keepdim else d - sum(1 for i in dims if i < d))
+
+
+# -- matmul ------------------------------------------------------------------------------------------
+@rule("matmul", on_functions(operator.matmul, torch.matmul, torch.bmm))
+def matmul(analyzer, node):
+    """Sequence in a batch or row dim passes through; a replicated batch operand with the full S on the
+    aligned batch dim is sharded there; contracting over the sequence (attention scores) refuses."""
+    a, b = node.args[:2]
+    va, vb, v = val(a), val(b), val(node)
+    pa, pb = analyzer.place(a), analyzer.place(b)
+    n = v.dim()
+    if is_sharded(pa) and pa.dim == va.dim() - 1:
+        raise Refused(CODES.contracts_sequence, "matmul contracts over the sequence dim (attention not recognized?)",
+                      node)
+    if is_sharded(pb) and vb.dim() >= 2 and pb.dim == vb.dim() - 2:
+        raise Refused(CODES.contracts_sequence, "matmul contracts over the sequence dim (attention not recognized?)",
+                      node)
+    if is_sharded(pa) and is_sharded(pb):
+        out_a = n - va.dim() + pa.dim
+        out_b = n - vb.dim() + pb.dim
+        if out_a != out_b or pa.dim >= va.dim() - 2:
+            raise Refused(CODES.contracts_sequence,
+                          "matmul of two sharded values along different dims (attention scores?)", node)
+        return Shard(out_a)
+    if is_sharded(pa):
+        out = n - va.dim() + pa.dim
+        if pa.dim < va.dim() - 2 and vb.dim() > 2:
+            aligned = out - (n - vb.dim())
+            if 0 <= aligned < vb.dim() - 2 and vb.shape[aligned] == analyzer.S:
+                analyzer.shard_input(node, b, aligned)
+        return Shard(out)
+    out = n - 1 if pb.dim == vb.dim() - 1 else n - vb.dim() + pb.dim
+    if pb.dim < vb.dim() - 2 and va.dim() > 2:
+        aligned = out - (n - va.dim())
+        if 0 <= aligned < va.dim() - 2 and va.shape[aligned] == analyzer.S:
+            analyzer.shard_input(node, a, aligned)
+    return Shard(out)
+
+
+# -- dim moves: transpose, permute, t, unsqueeze -----------------------------------------------------
+@rule("transpose", on_ops((torch.transpose,), ("transpose",)))
+def transpose(analyzer, node):
+    x = first_arg(node)
+    d = analyzer.place(x).dim
+    a, b = (norm_dim(i, val(x).dim()) for i in node.args[1:3])
+    return Shard(b if d == a else a if d == b else d)
+
+
+@rule("permute", on_ops((torch.permute,), ("permute",)))
+def permute(analyzer, node):
+    x, args = first_arg(node), node.args
+    dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+    return Shard([norm_dim(i, val(x).dim()) for i in dims].index(analyzer.place(x).dim))
+
+
+@rule("t", on_methods("t"))
+def matrix_t(analyzer, node):
+    return Shard(1 - analyzer.place(first_arg(node)).dim)
+
+
+@rule("unsqueeze", on_ops((torch.unsqueeze,), ("unsqueeze",)))
+def unsqueeze(analyzer, node):
+    d = analyzer.place(first_arg(node)).dim
+    k = norm_dim(node.args[1], val(node).dim())
+    return Shard(d + 1 if k <= d else d)
+
+
+# -- reshapes ----------------------------------------------------------------------------------------
+def reshape_dim(analyzer, node, x, out_val) -> Shard | MergedRows:
+    """Where the sequence dim of ``x`` (sharded) lands in a reshape to ``out_val``'s shape: a dim of
+    extent S with the same elements before it, or batch dims merged into it, the sequence innermost."""
+    d = analyzer.place(x).dim
+    in_shape, out_shape = list(val(x).shape), list(out_val.shape)
+    prefix = prod(in_shape[:d])
+    for j in range(len(out_shape)):
+        if out_shape[j] == analyzer.S and prod(out_shape[:j]) == prefix:
+            return Shard(j)
+    # batch dims merged into the sequence dim, the sequence innermost: [B, S, H] -> [B * S, H]
+    for k in range(d):
+        outer = prod(in_shape[k:d])
+        for j in range(len(out_shape)):
+            if outer > 1 and out_shape[j] == outer * analyzer.S and prod(out_shape[:j]) == prod(in_shape[:k]):
+                return MergedRows(j, outer)
+    raise Refused(CODES.reshapes_sequence,
+                  f"`{op_name(node)}` merges or splits the sequence dim ({in_shape} -> {out_shape})", node)
+
+
+@rule("squeeze", on_ops((torch.squeeze,), ("squeeze",)))
+def squeeze(analyzer, node):
+    return reshape_dim(analyzer, node, first_arg(node), val(node))
+
+
+@rule("dtype_view", lambda analyzer, node: is_method(node, "view")
+      and any(isinstance(a, torch.dtype) for a in node.args[1:]))
+def dtype_view(analyzer, node):
+    x = first_arg(node)
+    if val(node).shape != val(x).shape:
+        raise Refused(CODES.reshapes_sequence, "dtype view that changes the shape of a sharded value", node)
+    return analyzer.place(x)
+
+
+def refuse_dynamic_reshape(node):
+    if any(isinstance(a, fx.Node) for a in node.args[1:]):
+        raise Refused(CODES.reshapes_sequence, "dynamic reshape of a sharded value", node)
+
+
+@rule("reshape", on_ops((torch.reshape, torch.flatten), ("view", "reshape", "flatten", "unflatten")))
+def reshape(analyzer, node):
+    """Keeps the sequence dim whole or merges batch dims into it; shape constants become local ones."""
+    x, v = first_arg(node), val(node)
+    refuse_dynamic_reshape(node)
+    out = reshape_dim(analyzer, node, x, v)
+    if is_method(node, "view", "reshape") or is_function(node, torch.reshape):
+        analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
+    return out
+
+
+# -- GPT-2's Conv1D: addmm(bias, x_2d, weight) --------------------------------------------------------
+@rule("addmm", on_functions(torch.addmm))
+def addmm(analyzer, node):
+    bias, rows, weight = node.args[:3]
+    if analyzer.place(rows) != Shard(0) or is_sharded(analyzer.place(weight)) or is_sharded(analyzer.place(bias)):
+        raise Refused(CODES.unsupported_op, "addmm with the sequence outside the rows of its first matrix", node)
+    return Shard(0)
+
+
+# -- repeats and broadcasts --------------------------------------------------------------------------
+@rule("repeat_interleave", on_ops((torch.repeat_interleave,), ("repeat_interleave",)))
+def repeat_interleave(analyzer, node):
+    args, x = node.args, first_arg(node)
+    placement = analyzer.place(x)
+    dim = node.kwargs.get("dim", args[2] if len(args) > 2 else None)
+    if dim is None or norm_dim(dim, val(x).dim()) == placement.dim or isinstance(
+            args[1] if len(args) > 1 else None, fx.Node):
+        raise Refused(CODES.mixes_positions, "repeat_interleave along (or flattening) the sequence dim", node)
+    return placement
+
+
+@rule("broadcast_to", on_ops((torch.broadcast_to,), ("broadcast_to",)))
+def broadcast_to(analyzer, node):
+    x, v = first_arg(node), val(node)
+    out = Shard(analyzer.place(x).dim + v.dim() - val(x).dim())
+    analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
+    return out
+
+
+@rule("expand_repeat", on_methods("expand", "repeat"))
+def expand_or_repeat(analyzer, node):
+    x, v, args = first_arg(node), val(node), node.args
+    out = Shard(analyzer.place(x).dim + v.dim() - val(x).dim())
+    if is_method(node, "repeat"):
+        reps = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        if reps[out.dim] != 1:
+            raise Refused(CODES.mixes_positions, "repeat along the sequence dim", node)
+    else:
+        analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
+    return out
+
+
+@rule("complex_view", on_functions(torch.view_as_complex, torch.view_as_real))
+def complex_view(analyzer, node):
+    return analyzer.place(first_arg(node))  # the (re, im) pair is a trailing dim, never the sequence
+
+
+# -- split and cat -----------------------------------------------------------------------------------
+@rule("split", on_ops((torch.split, torch.chunk, torch.unbind), ("split", "chunk", "unbind", "tensor_split")))
+def split(analyzer, node):
+    args, kwargs, x = node.args, node.kwargs, first_arg(node)
+    d = analyzer.place(x).dim
+    unbind = is_method(node, "unbind") or is_function(node, torch.unbind)
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if unbind:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    dim = norm_dim(dim, val(x).dim())
+    if dim == d:
+        raise Refused(CODES.slices_sequence, f"`{op_name(node)}` along the sequence dim", node)
+    out = Shard(d - 1 if unbind and dim < d else d)
+    return TuplePlacement((out,) * len(val(node)))
+
+
+@rule("cat", on_functions(torch.cat, torch.stack))
+def cat(analyzer, node):
+    """Along another dim: replicated parts with the full S are sharded alike; along the sequence: refused."""
+    tensors = list(node.args[0])
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    v = val(node)
+    nonempty = [t for t in tensors if val(t).numel() > 0]
+    placements = {analyzer.place(t) for t in nonempty} - {REPLICATE}
+    if len(placements) != 1:
+        raise Refused(CODES.misaligned_operands, "cat of values sharded along different dims", node)
+    d = placements.pop().dim
+    if node.target is torch.cat and norm_dim(dim, v.dim()) == d:
+        if len(nonempty) == 1:
+            return Shard(d)  # cat with empty tensors only (HF's cache init): pass-through
+        raise Refused(CODES.cat_sequence, "cat along the sequence dim", node)
+    out = Shard(d + (1 if node.target is torch.stack and norm_dim(dim, v.dim()) <= d else 0))
+    for t in nonempty:
+        if not is_sharded(analyzer.place(t)):
+            if val(t).shape[d] == analyzer.S:
+                analyzer.shard_input(node, t, d)
+            else:
+                raise Refused(CODES.misaligned_operands, f"replicated `{t.name}` in a cat with sharded values", node)
+    return out
+
+
+# -- merged (batch, sequence) rows ---------------------------------------------------------------------
+@rule("merged_addmm", on_functions(torch.addmm))
+def addmm_merged(analyzer, node):
+    bias, rows, weight = node.args[:3]
+    placement = analyzer.place(rows)
+    if not isinstance(placement, MergedRows) or placement.dim != 0 or is_sharded(analyzer.place(bias)) \
+            or is_sharded(analyzer.place(weight)):
+        raise Refused(CODES.merged_rows, "addmm with merged batch and sequence rows outside its first matrix's rows",
+                      node)
+    return placement
+
+
+@rule("merged_later_operand", lambda analyzer, node: not isinstance(analyzer.place(first_arg(node)), MergedRows))
+def refuse_merged_later_operand(analyzer, node):
+    raise Refused(CODES.merged_rows, f"`{op_name(node)}` with merged batch and sequence rows in a later operand",
+                  node)
+
+
+def reshape_merged(analyzer, node, x, out_val) -> Shard | MergedRows:
+    """A reshape of a merged value: back to separate (batch..., sequence) dims, or still merged."""
+    m = analyzer.place(x)
+    in_shape, out_shape = list(val(x).shape), list(out_val.shape)
+    prefix = prod(in_shape[:m.dim])
+    for j in range(len(out_shape)):
+        if out_shape[j] == analyzer.S and prod(out_shape[:j]) == prefix * m.outer and any(
+                prod(out_shape[:k]) == prefix and prod(out_shape[k:j]) == m.outer for k in range(j + 1)):
+            return Shard(j)
+        if out_shape[j] == m.outer * analyzer.S and prod(out_shape[:j]) == prefix:
+            return MergedRows(j, m.outer)
+    raise Refused(CODES.reshapes_sequence,
+                  f"`{op_name(node)}` reshapes merged batch and sequence dims ({in_shape} -> {out_shape})", node)
+
+
+@rule("merged_reshape", on_ops((torch.reshape,), ("view", "reshape")))
+def reshape_merged_rows(analyzer, node):
+    x, v = first_arg(node), val(node)
+    refuse_dynamic_reshape(node)
+    out = reshape_merged(analyzer, node, x, v)
+    analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
+    return out
+
+
+# -- the tables, in the order the analyzer tries them -------------------------------------------------
+REPLICATED_RULES: tuple[Rule, ...] = (side_effect_free, embedding, positions_to_float)
+SHARDED_RULES: tuple[Rule, ...] = (
+    side_effect_free, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
+    tuple_item, refuse_tuple_operand, indexing, pointwise_op, like_constructor, min_max,
+    dropout, linear, norm, softmax, reduction, matmul,
+    transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
+    repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat,
+)
+MERGED_RULES: tuple[Rule, ...] = (
+    side_effect_free, cross_entropy, addmm_merged, refuse_merged_later_operand,
+    pointwise_op, dropout, linear, norm, reshape_merged_rows,
+)
