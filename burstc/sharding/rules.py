@@ -10,6 +10,9 @@ the table from the node's input placements and applies the first rule that match
 - :data:`MERGED_RULES`: some input has merged (batch, sequence) rows.
 
 The order inside a table is part of the semantics (e.g. a dtype ``view`` before a reshaping one).
+
+Longer than ~400 lines because it is the whole rule table: some thirty short rules, read together since
+their order is part of what they mean; ``tests/test_shard_rules.py`` checks them one process, no ranks.
 """
 from __future__ import annotations
 
