@@ -1,13 +1,5 @@
-import os
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 @pytest.fixture(autouse=True)

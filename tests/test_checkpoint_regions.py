@@ -4,8 +4,7 @@ is recomputed in the backward, and loss and gradients equal single-device eager.
 import pytest
 import torch
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import WorkerPool, assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
 

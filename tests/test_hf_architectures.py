@@ -5,8 +5,7 @@ import functools
 
 import pytest
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import WorkerPool, assert_equivalent, zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

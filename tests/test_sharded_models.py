@@ -3,9 +3,8 @@ parameter gradients (burstc.testing.assert_equivalent), for unmodified models.""
 import pytest
 import torch
 
-import model_zoo as zoo
 from burstc._equivalence import TOLERANCE
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import WorkerPool, assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
 

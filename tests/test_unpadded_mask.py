@@ -6,8 +6,7 @@ import warnings
 import pytest
 import torch
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import WorkerPool, assert_equivalent, zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multirank
