@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import burstc
-from equivalence import assert_same_training_step
+from burstc.testing import assert_same_training_step
 from burstc.testing.zoo import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import burstc
-from equivalence import assert_same_training_step
+from burstc.testing import assert_same_training_step
 
 V, H = 53, 12
 
