@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from burstc import layout as layouts
 from burstc.ops import ring_attention as ra
-from burstc.testing import WorkerError, WorkerPool, tolerance
+from burstc.testing import WorkerError, tolerance
 
 aten = torch.ops.aten
 
@@ -127,10 +127,8 @@ def _assert_close(case: Case, per_rank_results: list[dict]) -> None:
                 f"rank {rank}: {name} max error {error['max_error']:.3g} > {bound:.3g} ({case})")
 
 
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool(run_timeout_s=300) as pool:
-        yield pool
+# the conftest's `workers` fixture gives this module's worker groups this run timeout
+WORKER_RUN_TIMEOUT_S = 300
 
 
 # ---------------------------------------------------------------------------------------------

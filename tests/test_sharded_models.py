@@ -3,15 +3,9 @@ parameter gradients (burstc.testing.assert_equivalent), for unmodified models.""
 import pytest
 import torch
 
-from burstc.testing import WorkerPool, assert_equivalent, zoo
+from burstc.testing import assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 MODELS = {
