@@ -34,7 +34,7 @@ def _build_model(args):
             return m(input_ids=ids, labels=ids, use_cache=False).loss
         return model, loss_of
 
-    from burstc.models import TitanLlama, TitanLlamaArgs, WithLoss
+    from burstc.testing.zoo.titan import TitanLlama, TitanLlamaArgs, WithLoss
 
     model = WithLoss(TitanLlama(TitanLlamaArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                                                n_kv_heads=args.kv_heads, vocab_size=args.vocab,

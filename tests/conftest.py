@@ -1,13 +1,12 @@
-import os
-import sys
-from pathlib import Path
+"""Shared fixtures: a fresh Dynamo per test, and the one ``workers`` fixture (gloo worker groups).
 
+Every test that takes ``workers`` is marked ``multirank``, so ``pytest -m "not multirank"`` is the fast,
+single-process tier."""
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "tests"))
+from burstc.testing import WorkerPool
+from burstc.testing.workers import DEFAULT_RUN_TIMEOUT_S
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +15,19 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def workers(request):
+    """One :class:`WorkerPool` per test module (``pool.get(P)`` starts the P-rank group on first use), reused
+    by every test and hypothesis example of the module.  A module sets ``WORKER_RUN_TIMEOUT_S`` to change
+    its groups' per-task timeout."""
+    run_timeout_s = getattr(request.module, "WORKER_RUN_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S)
+    with WorkerPool(run_timeout_s=run_timeout_s) as pool:
+        yield pool
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "workers" in item.fixturenames:
+            item.add_marker(pytest.mark.multirank)

@@ -4,18 +4,11 @@ is recomputed in the backward, and loss and gradients equal single-device eager.
 import pytest
 import torch
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
 
 RING_FORWARD = "burstc.ring_attention_forward"
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 def _ops(gm, name):

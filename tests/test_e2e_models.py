@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import burstc
-from equivalence import assert_same_training_step
-from nanogpt import GPT, GPTConfig
+from burstc.testing import assert_same_training_step
+from burstc.testing.zoo import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,7 +89,7 @@ def test_nanogpt_bf16():
 
 
 def test_torchtitan_llama():
-    from burstc.models import TitanLlama, TitanLlamaArgs, WithLoss
+    from burstc.testing.zoo import TitanLlama, TitanLlamaArgs, WithLoss
 
     torch.manual_seed(0)
     model = WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=173,

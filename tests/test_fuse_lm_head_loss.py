@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import burstc
 from burstc.passes.fuse_lm_head_loss import CODES
-from equivalence import assert_same_training_step
+from burstc.testing import assert_same_training_step
 
 V, H = 53, 12
 

@@ -5,8 +5,7 @@ import functools
 
 import pytest
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import assert_equivalent, zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -31,12 +30,6 @@ REFUSED = [
     "FalconH1Config", "Qwen3NextConfig",  # convolutions over the sequence (Mamba-style / linear attention)
 ]
 ARCHITECTURES = {**{name: True for name in SHARDED}, **{name: False for name in REFUSED}}
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 @pytest.mark.parametrize("config_name", sorted(ARCHITECTURES))

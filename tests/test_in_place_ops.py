@@ -5,17 +5,10 @@ import pytest
 import torch
 
 import burstc
-import model_zoo as zoo
 from burstc.passes.graph_utils import eliminate_dead_code, in_place_writes, is_mutating
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 def _skipped(results, kind):

@@ -18,6 +18,7 @@ from burstc.kernels.linear_cross_entropy import (
     linear_cross_entropy_reference,
 )
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
+from burstc.testing import tolerance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,22 +32,14 @@ class Tolerance:
     grad_term_atol: float
 
 
-BF16_UNIT_ROUNDOFF = 2.0**-8
-FP32_UNIT_ROUNDOFF = 2.0**-24
+# Expected values come from the fp64 oracle evaluated at the same input-dtype-rounded logits.  The values and their
+# reasons live in burstc.testing.oracle.TOLERANCES ("fused_loss", "fused_loss_grad").
+def _op_tolerance(dtype: torch.dtype) -> Tolerance:
+    loss, grad = tolerance(dtype, "fused_loss"), tolerance(dtype, "fused_loss_grad")
+    return Tolerance(loss_rtol=loss.rtol, loss_atol=loss.atol, grad_rtol=grad.rtol, grad_term_atol=grad.atol)
 
-# Expected values come from the fp64 oracle evaluated at the same input-dtype-rounded logits.
-TOLERANCES = {
-    # fp32 loss: the same fp32 math in another order (chunk sums, exp(z - max) / sum vs log_softmax): a few ulps
-    # per token, summed over <= 64 tokens. fp32 grads: softmax entries carry ~u * |z - max| relative error (logit
-    # ranges up to ~30 here), hence 64 u per term.
-    torch.float32: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=1e-5, grad_term_atol=64 * FP32_UNIT_ROUNDOFF),
-    # bf16 loss: fp32 softmax on the *same* bf16 logits, so fp32-exact like fp32. bf16 grads: dlogits are rounded
-    # to bf16 before the hidden-gradient matmul (as eager autograd does: u per term; the weight gradient keeps
-    # fp32 dlogits), the result and the oracle's result once each (2u relative): 3u per term and 4u relative
-    # leave a margin of ~3 on the worst entries seen.
-    torch.bfloat16: Tolerance(loss_rtol=1e-5, loss_atol=1e-5, grad_rtol=4 * BF16_UNIT_ROUNDOFF,
-                              grad_term_atol=3 * BF16_UNIT_ROUNDOFF),
-}
+
+TOLERANCES = {dtype: _op_tolerance(dtype) for dtype in (torch.float32, torch.bfloat16)}
 
 
 def assert_close_nan_aware(actual, expected, *, rtol, atol, what=""):

@@ -38,8 +38,6 @@ MODE = _choose_mode()
 pytest.importorskip("triton")
 
 from test_linear_cross_entropy_op import (  # noqa: E402
-    BF16_UNIT_ROUNDOFF,
-    FP32_UNIT_ROUNDOFF,
     Tolerance,
     assert_close_nan_aware,
     assert_grads_close,
@@ -52,6 +50,7 @@ from test_linear_cross_entropy_op import (  # noqa: E402
 from test_linear_cross_entropy_op import make_inputs as make_cpu_inputs  # noqa: E402
 
 from burstc.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from burstc.testing.oracle import UNIT_ROUNDOFF, tolerance  # noqa: E402
 
 DEVICE = "cuda" if MODE == "cuda" else "cpu"
 if MODE in ("interpreter", "cuda"):
@@ -91,31 +90,20 @@ def make_inputs(*args, **kwargs):
     return tuple(moved)
 
 
-FP16_UNIT_ROUNDOFF = 2.0**-11
-
 # The kernel accumulates each logit in fp32 in tl.dot's order and rounds it to the input dtype once, like the
 # oneDNN GEMM behind F.linear but in another summation order: a logit whose fp32 value sits within the accumulation
 # error of a rounding boundary rounds the other way (rare; 1 ulp). A flipped target logit moves that token's loss by
 # up to 1 ulp(|z|) (2u |z|), so the low-precision loss atol is 2u * max |z| per token; grads also take a 2u * max|z|
 # relative error per softmax term. fp32: a few fp32 ulps of the logits, amplified like the op tests.
-TRITON_TOLERANCES = {
-    torch.float32: dict(loss_rtol=1e-5, loss_atol_of_logit=4 * FP32_UNIT_ROUNDOFF, unit=FP32_UNIT_ROUNDOFF,
-                        term_units=64, rtol_units=160),
-    torch.bfloat16: dict(loss_rtol=1e-5, loss_atol_of_logit=2 * BF16_UNIT_ROUNDOFF, unit=BF16_UNIT_ROUNDOFF,
-                         term_units=3, rtol_units=4),
-    torch.float16: dict(loss_rtol=1e-5, loss_atol_of_logit=2 * FP16_UNIT_ROUNDOFF, unit=FP16_UNIT_ROUNDOFF,
-                        term_units=3, rtol_units=4),
-}
-
-
+# The values and their reasons: burstc.testing.oracle.TOLERANCES ("triton_fused_loss", "triton_fused_loss_grad").
 def _grad_tolerance(dtype, max_abs_logit):
-    entry = TRITON_TOLERANCES[dtype]
-    flip = 2 * entry["unit"] * max_abs_logit if dtype != torch.float32 else 0.0
+    loss, grad = tolerance(dtype, "triton_fused_loss"), tolerance(dtype, "triton_fused_loss_grad")
+    flip = 2 * UNIT_ROUNDOFF[dtype] * max_abs_logit if dtype != torch.float32 else 0.0
     return Tolerance(
-        loss_rtol=entry["loss_rtol"],
+        loss_rtol=loss.rtol,
         loss_atol=0.0,
-        grad_rtol=entry["rtol_units"] * entry["unit"],
-        grad_term_atol=entry["term_units"] * entry["unit"] + flip,
+        grad_rtol=grad.rtol,
+        grad_term_atol=grad.atol + flip,
     )
 
 
@@ -171,10 +159,10 @@ def test_forward_kernel_loss_and_lse(case, dtype):
     expected_loss = oracle(hidden, weight, target, bias, reduction="none", label_smoothing=label_smoothing,
                            softcap=softcap, logit_scale=logit_scale)
     expected_lse = torch.logsumexp(_scaled_logits(hidden, weight, bias, softcap, logit_scale), dim=1)
-    entry = TRITON_TOLERANCES[dtype]
-    atol = entry["loss_atol_of_logit"] * max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
-    assert_close_nan_aware(loss_N, expected_loss, rtol=entry["loss_rtol"], atol=atol, what="per-token loss")
-    assert_close_nan_aware(lse_N, expected_lse, rtol=entry["loss_rtol"], atol=atol, what="lse")
+    loss_tolerance = tolerance(dtype, "triton_fused_loss")
+    atol = loss_tolerance.atol * max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
+    assert_close_nan_aware(loss_N, expected_loss, rtol=loss_tolerance.rtol, atol=atol, what="per-token loss")
+    assert_close_nan_aware(lse_N, expected_lse, rtol=loss_tolerance.rtol, atol=atol, what="lse")
     assert bool((loss_N[target == -100] == 0).all())
 
 
@@ -189,11 +177,11 @@ def test_triton_op_loss_and_grads(case, reduction, dtype):
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton", **options)
     expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
     max_logit = max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
-    entry = TRITON_TOLERANCES[dtype]
+    loss_tolerance = tolerance(dtype, "triton_fused_loss")
     # per-token atol; a sum of n tokens accumulates up to n of them, a mean averages them
     tokens_in_loss = int((target != -100).sum()) if reduction == "sum" else 1
-    loss_atol = entry["loss_atol_of_logit"] * max_logit * max(tokens_in_loss, 1)
-    assert_close_nan_aware(loss, expected_loss, rtol=entry["loss_rtol"], atol=loss_atol, what="loss")
+    loss_atol = loss_tolerance.atol * max_logit * max(tokens_in_loss, 1)
+    assert_close_nan_aware(loss, expected_loss, rtol=loss_tolerance.rtol, atol=loss_atol, what="loss")
     magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(loss), **options)
     assert_grads_close(grads, expected_grads, _grad_tolerance(dtype, max_logit), magnitudes)
 

@@ -43,3 +43,12 @@ def test_transformers_imports_from_the_checkout_root():
         " num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))).__name__)"
     )
     assert out.splitlines()[-1] == "LlamaForCausalLM"
+
+
+def test_every_burstc_package_is_listed_for_setuptools():
+    # a package missing from [tool.setuptools] packages imports in the editable install but not from a wheel
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(REPO_ROOT).parts) for init in (REPO_ROOT / "burstc").rglob("__init__.py")}
+    assert on_disk <= listed, sorted(on_disk - listed)

@@ -8,7 +8,6 @@ import torch
 from burstc import layout as layouts
 from burstc import planner
 from burstc.planner import plan_attention
-from burstc.testing import WorkerPool
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -87,12 +86,6 @@ def _measure_bytes(rank, world_size, shape, dtype, layout, causal, plan):
     return {"forward_per_step": forward.bytes_sent_per_step, "forward_total": forward.total_bytes_sent,
             "backward_per_step": backward.bytes_sent_per_step, "backward_total": backward.total_bytes_sent,
             "plan": backward.plan}
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool(run_timeout_s=120) as pool:
-        yield pool
 
 
 @pytest.mark.multirank

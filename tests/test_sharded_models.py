@@ -3,17 +3,9 @@ parameter gradients (burstc.testing.assert_equivalent), for unmodified models.""
 import pytest
 import torch
 
-import model_zoo as zoo
-from burstc._equivalence import TOLERANCE
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import assert_equivalent, zoo
 
 pytestmark = pytest.mark.multirank
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 MODELS = {
@@ -81,7 +73,7 @@ def test_autocast(workers, name):
     model_fn, inputs_fn, loss_fn = {"hf_llama": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_autocast),
                                     "titan_llama": (zoo.titan_llama, zoo.titan_inputs, zoo.titan_loss_autocast)}[name]
     results = assert_equivalent(model_fn, inputs_fn, loss_fn, world_size=2, group=workers.get(2),
-                                backend="aot_eager", rtol=TOLERANCE[torch.bfloat16])
+                                backend="aot_eager", tolerance_dtype=torch.bfloat16)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert kinds.count("attention") == 2 and kinds.count("lm_head_loss") == 1
 

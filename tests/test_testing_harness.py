@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from burstc.testing import WorkerError, WorkerGroup, WorkerGroupDead, WorkerPool, get_worker_group
+from burstc.testing import WorkerError, WorkerGroup, WorkerGroupDead, get_worker_group
 
 pytestmark = pytest.mark.multirank
 
@@ -60,10 +60,8 @@ def _mesh_all_gather(rank, world_size):
     return [t.item() for t in gathered]
 
 
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool(run_timeout_s=60) as pool:
-        yield pool
+# the conftest's `workers` fixture gives this module's worker groups this run timeout
+WORKER_RUN_TIMEOUT_S = 60
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

@@ -6,17 +6,10 @@ import warnings
 import pytest
 import torch
 
-import model_zoo as zoo
-from burstc.testing import WorkerPool, assert_equivalent
+from burstc.testing import assert_equivalent, zoo
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.multirank
-
-
-@pytest.fixture(scope="module")
-def workers():
-    with WorkerPool() as pool:
-        yield pool
 
 
 # OPT computes its positions with a cumsum over the attention_mask; GPT-2 and Llama only mask with it

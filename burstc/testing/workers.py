@@ -15,7 +15,7 @@ size and send it many small tasks (hypothesis examples included)::
 Fixture pattern (one group per world size per test module, reused by every test and every
 hypothesis example of that module; hypothesis accepts module-scoped fixtures)::
 
-    @pytest.fixture(scope="module")
+    @pytest.fixture(scope="module")      # tests/conftest.py defines this one ``workers`` fixture
     def workers():
         with WorkerPool() as pool:       # pool.get(P) starts the P-rank group on first use
             yield pool
@@ -305,6 +305,3 @@ def get_worker_group(world_size: int) -> WorkerGroup:
 def shutdown_worker_groups() -> None:
     """Stop every group started by :func:`get_worker_group`."""
     _SESSION_POOL.shutdown()
-
-
-from burstc._equivalence import assert_equivalent  # noqa: E402  (public: burstc.testing.assert_equivalent)

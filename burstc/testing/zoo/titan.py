@@ -1,5 +1,4 @@
-"""Small reference models for ``burstc demo``, tests and examples, written the way their source
-projects write them (burstc never edits a model: these are "unmodified user code").
+"""The torchtitan-style Llama that ``burstc demo`` trains, and the test models and builders built on it.
 
 ``TitanLlama`` follows torchtitan's Llama: RoPE from a precomputed complex ``freqs_cis`` buffer,
 GQA with ``repeat_kv``, RMSNorm, SwiGLU, untied output head; the loss is computed outside the model
@@ -143,3 +142,98 @@ class WithLoss(nn.Module):
     def forward(self, tokens, labels):
         pred = self.model(tokens)
         return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+# builders for multi-rank tests (module level: they are pickled to workers); each seeds itself
+
+def titan_llama():
+    torch.manual_seed(0)
+    return WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97,
+                                              max_seq_len=64)))
+
+
+def titan_mha():
+    torch.manual_seed(0)
+    return WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=97,
+                                              max_seq_len=64)))
+
+
+def titan_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (2, 32), generator=g), torch.randint(0, 97, (2, 32), generator=g)
+
+
+def titan_inputs_odd_length():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (1, 30), generator=g), torch.randint(0, 97, (1, 30), generator=g)
+
+
+def titan_inputs_odd_length_batch():
+    g = torch.Generator().manual_seed(2)
+    return torch.randint(0, 97, (3, 30), generator=g), torch.randint(0, 97, (3, 30), generator=g)
+
+
+def call_with_loss(model, inputs):
+    return model(*inputs)
+
+
+class Regularized(torch.nn.Module):
+    """A loss plus a replicated parameter term: the shard pass must refuse (not count it P times)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = WithLoss(TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                                        vocab_size=97, max_seq_len=64)))
+
+    def forward(self, tokens, labels):
+        return self.inner(tokens, labels) + 0.01 * self.inner.model.output.weight.pow(2).sum()
+
+
+def regularized():
+    return Regularized()
+
+
+class WeightedPerTokenLoss(torch.nn.Module):
+    """A loss built from ``reduction='none'`` per-token losses (position weights, masked mean), as
+    custom training losses do: the shard pass must gather the per-token losses, not refuse."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TitanLlama(TitanLlamaArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=97,
+                                               max_seq_len=64))
+
+    def forward(self, tokens, labels):
+        logits = self.model(tokens)
+        per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1),
+                                                      reduction="none")
+        # later tokens weigh more; a replicated, gradient-free weight vector
+        weights = torch.linspace(0.5, 1.5, per_token.shape[0])
+        return (per_token * weights).sum() / weights.sum() + per_token.max()
+
+
+def weighted_per_token_loss():
+    return WeightedPerTokenLoss()
+
+
+def single_sequence_inputs():
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 97, (1, 32), generator=g), torch.randint(0, 97, (1, 32), generator=g)
+    labels[0, 5:11] = -100
+    return tokens, labels
+
+
+def titan_loss_autocast(model, inputs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return call_with_loss(model, inputs)
+
+
+def titan_llama_checkpointed():
+    """torchtitan-style per-layer activation checkpointing (checkpoint_wrapper around each block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = titan_llama()
+    for name, layer in list(model.model.layers.items()):
+        model.model.layers[name] = checkpoint_wrapper(layer)
+    return model

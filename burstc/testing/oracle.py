@@ -1,0 +1,222 @@
+"""The equivalence oracle (a compiled training step vs eager on one device: the loss and every parameter
+gradient; NaN patterns must match and NaN never passes) and the one tolerance table every test reads.
+
+- :func:`assert_same_training_step`: ``burstc.compile`` on this process vs eager, same device and dtype;
+- :func:`assert_equivalent`: ``burstc.compile(model, mesh)`` on P gloo ranks vs single-process eager;
+- :data:`TOLERANCES` / :func:`tolerance`: the allowed error per dtype and per quantity compared.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+_FP32_U, _BF16_U, _FP16_U = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.bfloat16], UNIT_ROUNDOFF[torch.float16]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``rtol`` and ``atol`` of one quantity; what they scale is the quantity's (see :data:`TOLERANCES`)."""
+
+    rtol: float
+    atol: float
+    reason: str
+
+
+# Quantities and how their check reads rtol / atol (e = expected, a = actual):
+#   loss, param_grad                  compiled vs eager on one device: max|a - e| <= rtol * max|e|
+#   sharded_loss, sharded_param_grad  P ranks vs one-device eager: max|a - e| <= rtol * max(max|e|, floor); the
+#                                     gradients' floor is SHARDED_GRAD_FLOOR of the largest gradient
+#   attention_out/lse/dq/dk/dv        ring attention vs fp32 one-device SDPA: max|a - e| <= atol + rtol * max|e|
+#   attention_stand_in_delta          a stand-in output's delta vs the real one: torch.testing.assert_close
+#   attention_block_grads             block_attention_backward vs the CPU flash backward: assert_close
+#   fused_loss                        chunked linear+CE vs fp64 oracle: |a - e| <= atol * max(1, max|e|) + rtol * |e|
+#   fused_loss_grad                   per entry |a - e| <= atol * sum_k |term_k| + rtol * |e| (a dot product's
+#                                     forward-error bound: the gradients cancel, so max|e| is no scale)
+#   triton_fused_loss                 Triton kernels vs oracle: per token atol * max(1, max|logit|) + rtol * |e|
+#   triton_fused_loss_grad            as fused_loss_grad (low precision adds 2u * max|logit| per term: flipped
+#                                     rounding of a logit; see tests/test_linear_cross_entropy_triton.py)
+_ATTENTION = ("attention_out", "attention_lse", "attention_dq", "attention_dk", "attention_dv")
+_ATTENTION_REASONS = {
+    torch.float32: "fp32 everywhere; the ring only reorders the softmax sums (observed ~1e-6)",
+    torch.bfloat16: "each block output leaves the CPU kernel in bf16 before the fp32 merge, and out/dq/dk/dv are "
+                    "rounded to bf16 at the end (observed <=1e-2 on magnitudes ~1-3; one-device bf16 SDPA ~1e-2)",
+    torch.float16: "same error sources as bf16, 8x finer rounding",
+}
+_ATTENTION_BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+TOLERANCES: dict[tuple[torch.dtype, str], Tolerance] = {
+    (torch.float32, "loss"): Tolerance(1e-5, 0.0, "the fused loss reorders the vocab reduction into chunks: a few ulps"),
+    (torch.float32, "param_grad"): Tolerance(1e-5, 0.0, "as the loss: chunked vocab reductions, a few ulps of the max"),
+    (torch.bfloat16, "loss"): Tolerance(2e-2, 0.0, "eager rounds dlogits to bf16 once, the fused op per chunk: ~2 ulps"),
+    (torch.bfloat16, "param_grad"): Tolerance(2e-2, 0.0, "bf16 dlogits rounded per chunk, then fp32 accumulation"),
+    (torch.float32, "sharded_loss"): Tolerance(1e-5, 0.0, "P partial losses summed in another order: a few ulps"),
+    (torch.float32, "sharded_param_grad"): Tolerance(1e-5, 0.0, "the ring merges P partial softmaxes: a few ulps"),
+    (torch.bfloat16, "sharded_loss"): Tolerance(3e-2, 0.0, "every ring block output is rounded to bf16 before its "
+                                                           "fp32 merge (above the one-device 2e-2)"),
+    (torch.bfloat16, "sharded_param_grad"): Tolerance(3e-2, 0.0, "bf16 ring block outputs merged in fp32, as the loss"),
+    **{(dtype, quantity): Tolerance(bound, bound, _ATTENTION_REASONS[dtype])
+       for dtype, bound in _ATTENTION_BOUNDS.items() for quantity in _ATTENTION},
+    (torch.float32, "attention_stand_in_delta"): Tolerance(1e-6, 1e-6, "exact up to fp32 rounding"),
+    (torch.bfloat16, "attention_stand_in_delta"): Tolerance(1e-2, 2e-2, "the stand-in output is rounded to bf16"),
+    (torch.float32, "attention_block_grads"): Tolerance(1e-5, 1e-5, "the same fp32 math in another order"),
+    (torch.bfloat16, "attention_block_grads"): Tolerance(3e-2, 3e-2, "bf16 inputs and outputs, fp32 inside"),
+    (torch.float32, "fused_loss"): Tolerance(1e-5, 1e-5, "same fp32 math in another order: a few ulps per token, "
+                                                         "summed over <= 64 tokens"),
+    (torch.bfloat16, "fused_loss"): Tolerance(1e-5, 1e-5, "fp32 softmax on the same bf16 logits: fp32-exact"),
+    (torch.float32, "fused_loss_grad"): Tolerance(1e-5, 64 * _FP32_U, "softmax entries carry ~u * |z - max| relative "
+                                                                      "error (logit ranges up to ~30): 64 u per term"),
+    (torch.bfloat16, "fused_loss_grad"): Tolerance(4 * _BF16_U, 3 * _BF16_U, "dlogits rounded to bf16 before the "
+                                                   "hidden-grad matmul (u per term), result and oracle once each (2u)"),
+    (torch.float32, "triton_fused_loss"): Tolerance(1e-5, 4 * _FP32_U, "a few fp32 ulps of the logits"),
+    (torch.bfloat16, "triton_fused_loss"): Tolerance(1e-5, 2 * _BF16_U, "a logit rounded the other way (1 ulp) moves "
+                                                                        "its token's loss by up to 2u |z|"),
+    (torch.float16, "triton_fused_loss"): Tolerance(1e-5, 2 * _FP16_U, "as bf16: one flipped logit rounding, 2u |z|"),
+    (torch.float32, "triton_fused_loss_grad"): Tolerance(160 * _FP32_U, 64 * _FP32_U, "a few fp32 ulps of the "
+                                                         "logits, amplified like the CPU op's gradients"),
+    (torch.bfloat16, "triton_fused_loss_grad"): Tolerance(4 * _BF16_U, 3 * _BF16_U, "as the CPU op's bf16 gradients "
+                                                          "(plus the flip term added by the test)"),
+    (torch.float16, "triton_fused_loss_grad"): Tolerance(4 * _FP16_U, 3 * _FP16_U, "as bf16, in fp16 units"),
+}
+
+# Sharded gradients are measured against at least this fraction of the largest reference gradient: a gradient
+# that is zero in exact arithmetic (a key bias: softmax ignores a per-row shift) is rounding noise on both sides.
+SHARDED_GRAD_FLOOR = 1e-3
+
+
+def tolerance(dtype: torch.dtype, quantity: str) -> Tolerance:
+    """The table's entry for ``quantity`` computed in ``dtype``; a KeyError names what is missing."""
+    try:
+        return TOLERANCES[dtype, quantity]
+    except KeyError:
+        raise KeyError(f"no tolerance for {quantity!r} in {dtype}") from None
+
+
+def max_relative_error(actual: torch.Tensor | None, expected: torch.Tensor, floor: float = 0.0) -> float:
+    """max |actual - expected| / max(max |expected|, floor) over the entries where ``expected`` is not NaN.
+
+    inf when ``actual`` is missing or its shape differs; NaN (which fails every ``<=``) when the NaN patterns
+    differ or an inf is compared with an inf."""
+    if actual is None:
+        return float("inf")
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        return float("inf")
+    if not torch.equal(torch.isnan(actual), torch.isnan(expected)):
+        return float("nan")
+    keep = ~torch.isnan(expected)
+    if not keep.any():
+        return 0.0
+    scale = expected[keep].abs().max().clamp_min(max(floor, 1e-30))
+    return float((actual[keep] - expected[keep]).abs().max() / scale)
+
+
+def parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter gradient that is set, by parameter name."""
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def training_step_errors(loss, ref_loss, grads: dict, ref_grads: dict, grad_floor: float = 0.0) -> dict[str, float]:
+    """Relative errors of the loss (key ``"loss"``) and of every parameter gradient (``"grad:<name>"``); a
+    gradient on one side only is an infinite error.  ``grad_floor``: a fraction of the largest reference
+    gradient below which no gradient's scale goes."""
+    errors = {"loss": max_relative_error(loss, ref_loss)}
+    floor = grad_floor * max((g.abs().max().item() for g in ref_grads.values() if g.numel()), default=0.0)
+    for name in sorted(set(ref_grads) | set(grads)):
+        errors[f"grad:{name}"] = (max_relative_error(grads.get(name), ref_grads[name], floor)
+                                  if name in ref_grads else float("inf"))
+    return errors
+
+
+def errors_above(errors: dict[str, float], loss_rtol: float, grad_rtol: float) -> dict[str, float]:
+    """The errors that fail (NaN always fails): the loss against ``loss_rtol``, gradients against ``grad_rtol``."""
+    return {k: e for k, e in errors.items() if not (e <= (loss_rtol if k == "loss" else grad_rtol))}
+
+
+def _worst_first(bad: dict[str, float]) -> list[tuple[str, float]]:
+    return sorted(bad.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else float("-inf"))[:8]
+
+
+def assert_same_training_step(model, run, compiled_run, dtype=torch.float32):
+    """``run(model)`` (eager) and ``compiled_run()`` return losses: compare the loss and all parameter gradients
+    with the one-device tolerances for ``dtype``.  Returns ``(loss, ref_loss)``."""
+    model.zero_grad(set_to_none=True)
+    ref_loss = run(model)
+    ref_loss.backward()
+    ref_grads = parameter_grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = compiled_run()
+    loss.backward()
+    grads = parameter_grads(model)
+    loss_rtol, grad_rtol = tolerance(dtype, "loss").rtol, tolerance(dtype, "param_grad").rtol
+    bad = errors_above(training_step_errors(loss, ref_loss, grads, ref_grads), loss_rtol, grad_rtol)
+    assert not bad, (f"errors relative to max |reference| above loss {loss_rtol:g} / grad {grad_rtol:g} "
+                     f"(nan = NaN mismatch, inf = missing or shape differs): {_worst_first(bad)}")
+    return loss, ref_loss
+
+
+def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: Callable, loss_fn: Callable,
+                     options: dict, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Run on every rank: eager reference on the full batch, then burstc on the mesh; compare."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = model_fn().to(dtype)
+    inputs = inputs_fn()
+    model.zero_grad(set_to_none=True)
+    ref_loss = loss_fn(model, inputs)
+    ref_loss.backward()
+    ref_grads = parameter_grads(model)
+    model.zero_grad(set_to_none=True)
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    cmodel = burstc.compile(model, mesh, **options)
+    loss = loss_fn(cmodel, inputs)
+    loss.backward()
+    grads = parameter_grads(model)
+    report = burstc.report(cmodel)
+    return {
+        "rank": rank, "errors": training_step_errors(loss, ref_loss, grads, ref_grads, SHARDED_GRAD_FLOOR),
+        "loss": float(loss), "ref_loss": float(ref_loss),
+        "rewrites": [(r.kind, r.details.get("plan")) for r in report.rewrites],
+        "skipped": [(s.kind, s.reason) for s in report.skipped],
+        "report": str(report),
+    }
+
+
+def assert_equivalent(model_fn: Callable, inputs_fn: Callable, loss_fn: Callable, *, world_size: int,
+                      group=None, dtype: torch.dtype = torch.float32, rtol: float | None = None,
+                      tolerance_dtype: torch.dtype | None = None, expect_sharded: bool = True,
+                      timeout: float = 300.0, **options) -> list[dict]:
+    """Check that ``burstc.compile(model_fn(), mesh, **options)`` on ``world_size`` gloo ranks gives
+    every rank the single-device eager loss and parameter gradients.
+
+    ``model_fn()`` builds the model (seed it: every rank and the reference must build the same),
+    ``inputs_fn()`` the full batch, ``loss_fn(model, inputs)`` the loss; all three module-level
+    functions (they are pickled to the workers).  ``group``: a :class:`burstc.testing.WorkerGroup`
+    to reuse (default: the process-wide one for ``world_size``).  Tolerances: the table's sharded
+    loss / gradient entries for ``tolerance_dtype`` (default ``dtype``; bf16 for fp32 parameters
+    under bf16 autocast), or ``rtol`` for both.  ``expect_sharded``: also require that the shard
+    pass rewrote the graph (no refusal).  Returns the per-rank results.
+    """
+    from burstc.testing.workers import get_worker_group
+
+    group = group or get_worker_group(world_size)
+    results = group.run(equivalence_task, model_fn, inputs_fn, loss_fn, options, dtype, timeout=timeout)
+    tolerance_dtype = tolerance_dtype or dtype
+    loss_rtol = tolerance(tolerance_dtype, "sharded_loss").rtol if rtol is None else rtol
+    grad_rtol = tolerance(tolerance_dtype, "sharded_param_grad").rtol if rtol is None else rtol
+    for result in results:
+        kinds = [k for k, _ in result["rewrites"]]
+        if expect_sharded and world_size > 1 and "shard" not in kinds:
+            raise AssertionError(f"rank {result['rank']}: the graph was not sharded: {result['skipped']}\n"
+                                 f"{result['report']}")
+        bad = errors_above(result["errors"], loss_rtol, grad_rtol)
+        if bad:
+            raise AssertionError(f"rank {result['rank']}: errors above loss {loss_rtol:g} / grad {grad_rtol:g} "
+                                 f"(nan = NaN mismatch, inf = missing): {_worst_first(bad)}\n"
+                                 f"loss {result['loss']} vs eager {result['ref_loss']}\n{result['report']}")
+    return results

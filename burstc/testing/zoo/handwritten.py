@@ -1,0 +1,123 @@
+"""Hand-written small models that probe one pass behaviour each (refusals, in-place ops, position-wise
+ops); every constructor seeds itself so that each rank and the eager reference build the same weights."""
+import torch
+
+
+class MeanPooled(torch.nn.Module):
+    """Mixes positions outside attention (mean over the sequence): the shard pass must refuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(97, 16)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + h.mean(dim=1, keepdim=True)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def mean_pooled():
+    torch.manual_seed(0)
+    return MeanPooled()
+
+
+class Bidirectional(torch.nn.Module):
+    """Non-causal SDPA: padding the sequence would change the real tokens' outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def bidirectional():
+    torch.manual_seed(0)
+    return Bidirectional()
+
+
+class _InPlaceBase(torch.nn.Module):
+    """Embedding + causal self-attention + LM head, with hooks for in-place ops that Dynamo records
+    with unused results (what the passes must neither drop nor read around)."""
+    variant = ""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.pos = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.router = torch.nn.Linear(16, 4)
+        self.head = torch.nn.Linear(16, 97, bias=False)
+
+    def forward(self, ids, labels):
+        seq = ids.shape[1]
+        positions = torch.arange(seq)
+        if self.variant == "positions":
+            positions.add_(1)  # written after it is made: a shard of the old value would be wrong
+        h = self.emb(ids) + self.pos(positions)
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.variant == "mask":
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+            mask[seq // 2:, : seq // 4] = False  # no longer causal: must not be folded as if it were
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        if self.variant == "scatter":
+            # an MoE-style top-1 gate built with scatter_ (its result unused, as in Glm4Moe's router)
+            scores = self.router(h).sigmoid()
+            gate = torch.zeros_like(scores)
+            gate.scatter_(-1, scores.argmax(-1, keepdim=True), 1.0)
+            h = h * (scores * gate).sum(-1, keepdim=True)
+        logits = self.head(h)
+        if self.variant == "logits":
+            logits.mul_(0.5)  # a temperature applied in place: the fused loss must not drop it
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+class InPlaceScatter(_InPlaceBase):
+    variant = "scatter"
+
+
+class InPlaceLogits(_InPlaceBase):
+    variant = "logits"
+
+
+class InPlaceMask(_InPlaceBase):
+    variant = "mask"
+
+
+class InPlacePositions(_InPlaceBase):
+    variant = "positions"
+
+
+class PositionwiseMinMax(torch.nn.Module):
+    """``ones_like``, binary ``torch.max``/``minimum``, ``max(dim=-1)`` and ``min(dim=-1)`` on the hidden
+    states (as in xIELU-style activations and MoE routers): position-wise, so shardable."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = torch.max(h, torch.ones_like(h) * -0.5) + torch.min(h, dim=-1, keepdim=True)[0]
+        h = h - h.max(-1).values.unsqueeze(-1) * 0.1
+        q, k, v = self.qkv(h).view(*ids.shape, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))

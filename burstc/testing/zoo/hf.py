@@ -1,0 +1,117 @@
+"""Tiny random-init Hugging Face causal LMs, their inputs and losses.
+
+``transformers`` is imported inside the builders: a minimal install (no ``[test]`` extra) can still import
+the zoo.  Every builder seeds itself, so each rank and the single-device reference build the same model."""
+import torch
+
+
+def hf_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (2, 32), generator=g)
+
+
+def hf_loss_no_cache(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_loss_default(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+_HF_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
+                n_positions=64, ffn_dim=64, word_embed_proj_dim=32, moe_intermediate_size=32, num_experts=4,
+                num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32, rotary_dim=4,
+                pad_token_id=0, logits_scaling=8.0)  # Granite divides its logits by it (default 1)
+_HF_SPECIAL = {
+    "GPTNeoXConfig": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=64, pad_token_id=0),
+    "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_kv_heads=2, new_decoder_architecture=True, pad_token_id=0),
+}
+
+
+def hf_arch(config_name: str):
+    """A tiny random-init HF causal LM of the given architecture (eval mode, dropout off): the config's
+    own defaults with the tiny sizes above wherever its constructor takes them."""
+    import inspect
+
+    import transformers
+
+    torch.manual_seed(0)
+    cls = getattr(transformers, config_name)
+    params = inspect.signature(cls.__init__).parameters
+    kw = _HF_SPECIAL.get(config_name) or {k: v for k, v in _HF_TINY.items() if k in params}
+    config = cls(**kw)
+    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, attr):
+            setattr(config, attr, 0.0)
+    impl = "eager" if config_name == "Gemma2Config" else "sdpa"   # Gemma-2 has no SDPA path
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+
+
+def hf_arch_checkpointed(config_name: str):
+    """hf_arch with HF's gradient checkpointing on, in training mode (where HF checkpoints; dropout is off)."""
+    model = hf_arch(config_name)
+    model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def hf_arch_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 97, (1, 32), generator=g)
+
+
+def hf_arch_batch_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 97, (2, 32), generator=g)
+
+
+def hf_inputs_single_sequence():
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 97, (1, 32), generator=g)
+
+
+def hf_loss_with_attention_mask(model, ids):
+    """As HF's Trainer calls a model on an unpadded batch: the tokenizer's all-ones attention_mask."""
+    return model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids), use_cache=False).loss
+
+
+def hf_loss_with_padding(model, ids):
+    """A padded batch: the second sequence's last 12 tokens are padding."""
+    mask = torch.ones_like(ids)
+    mask[-1, -12:] = 0
+    return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
+
+
+def windowed_hf_llama():
+    """A Mistral (Llama with a sliding window) whose window (8) is shorter than the sequence."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=8)
+    return transformers.MistralForCausalLM(config).eval()
+
+
+def hf_loss_autocast(model, ids):
+    """Mixed precision as users write it: fp32 parameters, the forward under torch.autocast(bf16)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def hf_llama_checkpointed():
+    """HF's activation checkpointing, as long-sequence training turns it on."""
+    model = hf_llama()
+    model.gradient_checkpointing_enable()
+    return model.train()
