@@ -52,6 +52,7 @@ def _free_port():
 
 
 @pytest.mark.slow
+@pytest.mark.multirank  # spawns two gloo ranks of its own
 def test_dead_peer_fails_the_others_with_a_message(tmp_path):
     script = tmp_path / "dead_peer.py"
     script.write_text(SCRIPT)
