@@ -39,7 +39,8 @@ from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_co
 
 KIND = "unpadded_mask"
 CODES = register_codes("unpadded_mask", {
-    "other_runtime_values": "the mask also depends on runtime values other than an all-ones-able input",
+    "not_assumable": "the mask depends on inputs that can't be assumed all ones (not integer/bool token inputs, "
+                     "or not all ones in the call being compiled)",
     "not_causal_when_ones": "the mask is neither causal nor full even with the input assumed all ones",
 })
 
@@ -95,7 +96,7 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             if why not in reported:
                 reported.add(why)
                 context.skip(KIND, reader, f"mask depends on runtime values that can't be assumed all ones ({why})",
-                             code=CODES.other_runtime_values)
+                             code=CODES.not_assumable)
             continue
         runtime_masks.append((reader, mask_node, to_visible))
         for n in inputs:

@@ -11,10 +11,6 @@ from burstc.testing import assert_equivalent, zoo
 pytestmark = pytest.mark.multirank
 
 
-def _skipped(results, kind):
-    return [reason for k, reason in results[0]["skipped"] if k == kind]
-
-
 def _rewrites(results):
     return [k for k, _ in results[0]["rewrites"]]
 
@@ -29,12 +25,13 @@ def test_unused_scatter_result_is_kept(workers, world_size):
 
 
 def _refused_in_place(workers, model_fn, world_size, kind):
-    """Equal to eager, with exactly one ``kind`` refusal naming the in-place write."""
+    """Equal to eager, with exactly one ``kind`` refusal: the in-place write (``kind.in_place_write`` /
+    ``shard.inplace_write``)."""
     results = assert_equivalent(model_fn, zoo.single_sequence_inputs, zoo.call_with_loss, world_size=world_size,
                                 group=workers.get(world_size), backend="aot_eager", expect_sharded=False)
     assert kind not in _rewrites(results)
-    reasons = _skipped(results, kind)
-    assert len(reasons) == 1 and "modified in place" in reasons[0], reasons
+    codes = [c for c in results[0]["skip_codes"] if c.startswith(kind + ".")]
+    assert codes in ([f"{kind}.in_place_write"], [f"{kind}.inplace_write"]), results[0]["skipped"]
 
 
 def test_logits_modified_in_place_are_not_fused(workers):
@@ -46,7 +43,7 @@ def test_mask_modified_in_place_is_not_folded_as_causal(workers):
     results = assert_equivalent(zoo.InPlaceMask, zoo.single_sequence_inputs, zoo.call_with_loss,
                                 world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
     assert "shard" not in _rewrites(results) and "attention" not in _rewrites(results)
-    assert any("mask" in reason for reason in _skipped(results, "shard")), results[0]["skipped"]
+    assert "shard.attention_mask" in results[0]["skip_codes"], results[0]["skipped"]
 
 
 def test_positions_modified_in_place_are_not_sharded_stale(workers):

@@ -89,8 +89,8 @@ def test_padded_first_call_is_not_specialized(workers):
                                 group=workers.get(2), backend="aot_eager", expect_sharded=False)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert "unpadded_mask" not in kinds and "shard" not in kinds
-    reasons = [r for k, r in results[0]["skipped"] if k == "unpadded_mask"]
-    assert len(reasons) == 1 and "not all ones in the call being compiled" in reasons[0]
+    codes = [c for c in results[0]["skip_codes"] if c.startswith("unpadded_mask.")]
+    assert codes == ["unpadded_mask.not_assumable"], results[0]["skipped"]
 
 
 def test_mask_that_stays_non_causal_is_not_specialized(workers):
@@ -99,8 +99,8 @@ def test_mask_that_stays_non_causal_is_not_specialized(workers):
                                 world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert "unpadded_mask" not in kinds and "shard" not in kinds
-    reasons = [r for k, r in results[0]["skipped"] if k == "unpadded_mask"]
-    assert reasons and all("not causal even when this input is all ones" in r for r in reasons)
+    codes = [c for c in results[0]["skip_codes"] if c.startswith("unpadded_mask.")]
+    assert codes and set(codes) == {"unpadded_mask.not_causal_when_ones"}, results[0]["skipped"]
 
 
 def test_refused_graph_keeps_the_real_reason(workers):

@@ -183,6 +183,7 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
         "loss": float(loss), "ref_loss": float(ref_loss),
         "rewrites": [(r.kind, r.details.get("plan")) for r in report.rewrites],
         "skipped": [(s.kind, s.reason) for s in report.skipped],
+        "skip_codes": [s.code for s in report.skipped],
         "report": str(report),
     }
 
