@@ -43,6 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from burstc import layout as layouts  # noqa: E402
+from burstc.attention_ir import MaskSpec  # noqa: E402
+from burstc.ops.block_geometry import blocks  # noqa: E402
 from burstc.planner import plan_attention  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
 
@@ -297,8 +299,9 @@ def _peer_work(impl: str, config: Config, rank: int) -> int:
     P, BH = config.world_size, config.batch * config.heads_q
     s = config.seq_len // P
     half = s // 2
-    if impl in ("torch_ring", "torch_ring_allgather"):  # the same head-tail schedule as burstc
-        per_call = s * (s + 1) // 2 + (P - 1) * s * half
+    if impl in ("torch_ring", "torch_ring_allgather"):  # the same head-tail schedule as burstc: its blocks
+        per_call = sum(block.score_entries for kv_owner in range(P)
+                       for block in blocks("zigzag", MaskSpec.causal(), rank, kv_owner, s, P))
     elif impl == "lucidrains_zigzag":  # dense mask over all gathered keys
         per_call = s * config.seq_len
     elif impl == "allgather_kv":  # each chunk against its prefix, dense mask

@@ -89,7 +89,10 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
         with graph.inserting_before(node):
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
-                                       (q, k, v, group_name, bool(kw["is_causal"]), layout, float(scale), plan_name))
+                                       (q, k, v, [group_name], layout,
+                                        (burstc.attention_ir.MaskSpec.causal() if kw["is_causal"]
+                                         else burstc.attention_ir.MaskSpec.full()).encode(),
+                                        float(scale), plan_name))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)

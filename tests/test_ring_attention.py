@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from burstc import layout as layouts
+from burstc.kernels import attention_blocks as kb
+from burstc.ops import lse_merge
 from burstc.ops import ring_attention as ra
 from burstc.testing import WorkerError, tolerance
 
@@ -240,7 +242,7 @@ def test_ring_over_submesh_dimension(workers, plan):
 
 
 def _run_case_with_reference_kernels(rank, world_size, case: Case):
-    with ra.reference_block_kernels():
+    with kb.reference_block_kernels():
         return _run_case(rank, world_size, case)
 
 
@@ -370,32 +372,7 @@ def test_torch_compile_fullgraph(workers, backend, plan, layout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Local pieces: block selection, merge, kernels (no process group needed)
-
-
-@pytest.mark.parametrize("layout", layouts.LAYOUTS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False])
-def test_block_spec_covers_exactly_the_mask(layout, world_size, causal):
-    """For every (query rank, kv rank) pair, the computed sub-block's mask equals the global mask."""
-    for local_len in (2, 4, 6) if layout == "zigzag" else (1, 2, 5):
-        seq_len = local_len * world_size
-        positions = [layouts.local_positions(seq_len, world_size, r, layout) for r in range(world_size)]
-        for q_owner in range(world_size):
-            for kv_owner in range(world_size):
-                wanted = positions[kv_owner][None, :] <= positions[q_owner][:, None]
-                if not causal:
-                    wanted = torch.ones_like(wanted)
-                covered = torch.zeros_like(wanted)
-                spec = ra.block_spec(layout, causal, q_owner, kv_owner, local_len)
-                if spec is not None:
-                    rows, cols = spec.q_stop - spec.q_start, spec.kv_stop - spec.kv_start
-                    sub = torch.ones(rows, cols, dtype=torch.bool)
-                    if spec.causal:
-                        sub = sub.tril()
-                    covered[spec.q_rows, spec.kv_rows] = sub
-                    assert spec.score_entries == int(sub.sum())
-                assert torch.equal(covered, wanted), (layout, world_size, local_len, q_owner, kv_owner, spec)
+# Local pieces: merge, kernels (no process group needed; block selection: test_block_geometry.py)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -403,7 +380,7 @@ def test_merge_of_key_blocks_equals_full_attention(causal):
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 8, generator=generator, dtype=torch.float64) for _ in range(3))
     scale = 0.35
-    out_full, lse_full = ra._reference_block_forward(q, k, v, causal, scale)
+    out_full, lse_full = kb.reference_block_forward(q, k, v, causal, scale)
     # keys in three blocks; block 1 and 2 only matter where the causal mask lets rows see them
     bounds = [(0, 3), (3, 7), (7, 10)]
     out_acc, lse_acc = None, None
@@ -417,7 +394,7 @@ def test_merge_of_key_blocks_equals_full_attention(causal):
         if out_acc is None:
             out_acc, lse_acc = out.clone(), lse.clone()
         else:
-            ra.merge_attention_block_(out_acc, lse_acc, out, lse)
+            lse_merge.merge_attention_block_(out_acc, lse_acc, out, lse)
     assert torch.isfinite(out_acc).all() and torch.isfinite(lse_acc).all()
     torch.testing.assert_close(out_acc, out_full, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse_acc, lse_full, atol=1e-12, rtol=1e-12)
@@ -426,7 +403,7 @@ def test_merge_of_key_blocks_equals_full_attention(causal):
 def test_merge_is_stable_for_large_lse_gaps():
     out_acc = torch.ones(1, 1, 2, 4)
     lse_acc = torch.tensor([[[1000.0, -1000.0]]])
-    ra.merge_attention_block_(out_acc, lse_acc, torch.full((1, 1, 2, 4), 3.0), torch.tensor([[[-1000.0, 1000.0]]]))
+    lse_merge.merge_attention_block_(out_acc, lse_acc, torch.full((1, 1, 2, 4), 3.0), torch.tensor([[[-1000.0, 1000.0]]]))
     torch.testing.assert_close(out_acc, torch.tensor([1.0, 3.0]).view(1, 1, 2, 1).expand(1, 1, 2, 4))
     torch.testing.assert_close(lse_acc, torch.tensor([[[1000.0, 1000.0]]]))
 
@@ -443,7 +420,7 @@ def test_cpu_flash_lse_layout_and_convention():
     q, k, v, _ = _local_inputs(torch.float32)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.3)
     assert lse.stride() == (10 * 4, 1, 4)  # [B, H, S] view of a [B, S, H] buffer
-    converted = ra._lse_to_BHS(lse)
+    converted = lse_merge.lse_to_BHS(lse)
     assert converted.is_contiguous() and converted.dtype == torch.float32
     scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
     scores = scores.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
@@ -471,15 +448,15 @@ def test_stand_in_output_reproduces_delta_and_gradients(dtype):
     q, k, v, grad_out = _local_inputs(dtype)
     grad_out[:, :, 3] = 0  # a zero row: the stand-in is 0 there
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
-    delta = ra.attention_delta(out, grad_out)
-    stand_in = ra.stand_in_output(grad_out, delta)
+    delta = lse_merge.attention_delta(out, grad_out)
+    stand_in = lse_merge.stand_in_output(grad_out, delta)
     assert stand_in.dtype == dtype and torch.all(stand_in[:, :, 3] == 0)
-    rebuilt = ra.attention_delta(stand_in, grad_out)
+    rebuilt = lse_merge.attention_delta(stand_in, grad_out)
     allowed = tolerance(dtype, "attention_stand_in_delta")  # fp32: exact up to rounding; bf16: stand-in rounded
     torch.testing.assert_close(rebuilt, delta, atol=allowed.atol, rtol=allowed.rtol)
-    assert ra.stand_in_output(grad_out, delta - 1.0) is None  # zero row, delta != 0: impossible
+    assert lse_merge.stand_in_output(grad_out, delta - 1.0) is None  # zero row, delta != 0: impossible
     real = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, True)
-    fake = ra.block_attention_backward(grad_out, q, k, v, ra._lse_to_BHS(lse), delta, None, True, 1 / math.sqrt(8))
+    fake = kb.block_attention_backward(grad_out, q, k, v, lse_merge.lse_to_BHS(lse), delta, None, True, 1 / math.sqrt(8))
     allowed = tolerance(dtype, "attention_block_grads")
     for a, b in zip(real, fake):
         torch.testing.assert_close(a.float(), b.float(), atol=allowed.atol, rtol=allowed.rtol)
@@ -489,30 +466,30 @@ def test_stand_in_output_reproduces_delta_and_gradients(dtype):
 @pytest.mark.parametrize("heads_kv", [1, 2, 4])
 def test_reference_kernels_match_cpu_flash(causal, q_len, kv_len, heads_kv):
     q, k, v, grad_out = _local_inputs(torch.float32, heads_kv=heads_kv, q_len=q_len, kv_len=kv_len)
-    out_flash, lse_flash = ra.block_attention_forward(q, k, v, causal, 0.4)
-    with ra.reference_block_kernels():
-        out_ref, lse_ref = ra.block_attention_forward(q, k, v, causal, 0.4)
-        grads_ref = ra.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, causal, 0.4)
+    out_flash, lse_flash = kb.block_attention_forward(q, k, v, causal, 0.4)
+    with kb.reference_block_kernels():
+        out_ref, lse_ref = kb.block_attention_forward(q, k, v, causal, 0.4)
+        grads_ref = kb.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, causal, 0.4)
     torch.testing.assert_close(out_ref, out_flash, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_ref, lse_flash, atol=1e-5, rtol=1e-5)
-    grads_flash = ra.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, causal, 0.4)
+    grads_flash = kb.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, causal, 0.4)
     for a, b in zip(grads_ref, grads_flash):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_kernels_chunk_rows_within_the_score_budget(monkeypatch):
-    assert ra._reference_row_chunk(1, 32, 32768) == 64  # one [1, 32, 64, 32K] fp32 buffer = 256 MiB
-    assert ra._reference_row_chunk(8, 64, 2**20) == ra._REFERENCE_MIN_ROWS
+    assert kb._reference_row_chunk(1, 32, 32768) == 64  # one [1, 32, 64, 32K] fp32 buffer = 256 MiB
+    assert kb._reference_row_chunk(8, 64, 2**20) == kb._REFERENCE_MIN_ROWS
     # a budget of a few rows: many chunks (uneven last one) still give the unchunked result
     q, k, v, grad_out = _local_inputs(torch.float32, heads_kv=2, q_len=50, kv_len=50)
-    out_flash, lse_flash = ra.block_attention_forward(q, k, v, True, 0.4)
-    grads_flash = ra.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, True, 0.4)
-    monkeypatch.setattr(ra, "_REFERENCE_SCORE_BUDGET_BYTES", 16 * q.shape[1] * 50 * 4)
-    assert ra._reference_row_chunk(q.shape[0], q.shape[1], 50) == 16
-    with ra.reference_block_kernels():
-        out_ref, lse_ref = ra.block_attention_forward(q, k, v, True, 0.4)
-        grads_ref = ra.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, True, 0.4)
+    out_flash, lse_flash = kb.block_attention_forward(q, k, v, True, 0.4)
+    grads_flash = kb.block_attention_backward(grad_out, q, k, v, lse_flash, None, out_flash, True, 0.4)
+    monkeypatch.setattr(kb, "_REFERENCE_SCORE_BUDGET_BYTES", 16 * q.shape[1] * 50 * 4)
+    assert kb._reference_row_chunk(q.shape[0], q.shape[1], 50) == 16
+    with kb.reference_block_kernels():
+        out_ref, lse_ref = kb.block_attention_forward(q, k, v, True, 0.4)
+        grads_ref = kb.block_attention_backward(grad_out, q, k, v, lse_ref, None, out_ref, True, 0.4)
     torch.testing.assert_close(out_ref, out_flash, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse_ref, lse_flash, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads_ref, grads_flash):

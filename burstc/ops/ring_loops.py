@@ -1,0 +1,191 @@
+"""The ring loops: the forward and the one backward, over a :class:`burstc.ops.ring_comm.Ring`.
+
+Forward: K/V blocks (with their ``Hkv`` heads, never repeated) travel around the ring; each rank
+attends its resident queries to every block and merges the partial ``(out, lse)`` in fp32.
+
+Backward, parametrized by what travels (:data:`BACKWARD_PLANS`):
+
+* ``kv_ring``: K, V circulate again together with fp32 dK, dV accumulators that end at the block's
+  owner.  Q, dO, dQ stay home.
+* ``burst`` (BurstAttention): Q, dO, LSE and ``delta = rowsum(O * dO)`` circulate together with a
+  travelling fp32 dQ accumulator that returns to its owner.  K, V, dK, dV never leave home.
+
+Transfers are double-buffered: the next block's transfer is posted before the current block is
+computed and waited for after.  A travelling accumulator trails its block by one step (it travels
+from step 2 on) and makes one last hop home, where its owner's own (step 0) contribution waited.
+Which (query, key) entries of a pair are computed is :func:`burstc.ops.block_geometry.blocks`'s answer.
+LSE convention: :mod:`burstc.ops.lse_merge`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from burstc.attention_ir import MaskSpec
+from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
+from burstc.ops.block_geometry import Block, blocks
+from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_
+from burstc.ops.ring_comm import DoubleBuffer, Ring, wait
+from burstc.ops.ring_stats import CallRecorder
+
+_DQ, _DK, _DV = 0, 1, 2  # positions in a block's (dq, dk, dv)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """What travels in the backward: the query side (Q, dO, LSE, delta with a dQ accumulator) or the
+    key side (K, V with dK, dV accumulators).  The other side and its gradients stay home."""
+
+    queries_travel: bool
+
+    @property
+    def travelling_grads(self) -> tuple[int, ...]:
+        return (_DQ,) if self.queries_travel else (_DK, _DV)
+
+    @property
+    def home_grads(self) -> tuple[int, ...]:
+        return (_DK, _DV) if self.queries_travel else (_DQ,)
+
+
+BACKWARD_PLANS = {"kv_ring": BackwardPlan(queries_travel=False), "burst": BackwardPlan(queries_travel=True)}
+
+
+def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
+                 scale: float) -> tuple[Tensor, Tensor]:
+    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring."""
+    batch, heads_q, local_len, _ = q_BHSD.shape
+    recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    kv_cur = [k_BHSD.contiguous(), v_BHSD.contiguous()]
+    kv_buffers = DoubleBuffer(kv_cur)
+    out_acc = lse_acc = None
+    for step in range(ring.size):
+        kv_owner = (ring.rank - step) % ring.size
+        requests = []
+        if step < ring.size - 1:
+            kv_next = kv_buffers.get(step)
+            requests = ring.post(kv_cur, kv_next, recorder, step)
+        for block in blocks(layout, mask, ring.rank, kv_owner, local_len, ring.size):
+            k_blk, v_blk = (t[:, :, block.kv_rows] for t in kv_cur)
+            out_blk, lse_blk = block_attention_forward(q_BHSD[:, :, block.q_rows], k_blk, v_blk, block.causal, scale)
+            recorder.computed(step, block, batch, heads_q)
+            if out_acc is None:
+                # The first block (step 0, the own diagonal one) starts the accumulators: it must
+                # cover every query row, as the merge has no -inf start.
+                if (block.q_start, block.q_stop) != (0, local_len):
+                    raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
+                out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
+            else:
+                merge_attention_block_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
+        wait(requests)
+        if requests:
+            kv_cur = kv_next
+    recorder.publish()
+    return out_acc.to(q_BHSD.dtype).contiguous(), lse_acc.contiguous()
+
+
+def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
+                  out_BHSD: Tensor, lse_BHS: Tensor, grad_lse_BHS: Tensor | None, ring: Ring, layout: str,
+                  mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of this rank's shards, contiguous in the inputs' dtypes, with backward ``plan``."""
+    grad_out_BHSD = grad_out_BHSD.to(q_BHSD.dtype).contiguous()
+    lse_BHS = lse_BHS.to(ACC_DTYPE).contiguous()
+    # An lse gradient g adds P * g to d(scores): the same as using delta - g (only delta changes).
+    lse_has_grad = grad_lse_BHS is not None and bool(grad_lse_BHS.ne(0).any())
+    recorder = CallRecorder("backward", plan, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    if BACKWARD_PLANS[plan].queries_travel:  # delta travels with the queries
+        delta_BHS = attention_delta(out_BHSD, grad_out_BHSD)
+        if lse_has_grad:
+            delta_BHS = delta_BHS - grad_lse_BHS.to(ACC_DTYPE)
+        delta_BHS = delta_BHS.contiguous()
+    else:  # the kernels read delta from the resident ``out``, unless an lse gradient adjusts it
+        delta_BHS = attention_delta(out_BHSD, grad_out_BHSD) - grad_lse_BHS.to(ACC_DTYPE) if lse_has_grad else None
+    # ``out`` is only right for the kernel where delta is not adjusted; else a stand-in carries delta.
+    grads = _backward_loop(BACKWARD_PLANS[plan], grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD,
+                           None if lse_has_grad else out_BHSD, lse_BHS, delta_BHS, ring, layout, mask, scale, recorder)
+    recorder.publish()
+    return tuple(g.contiguous() for g in grads)
+
+
+def _rows(grad: int, block: Block) -> slice:
+    return block.q_rows if grad == _DQ else block.kv_rows
+
+
+def _add_rows_(acc: Tensor, rows: slice, part: Tensor) -> None:
+    acc[:, :, rows] += part.to(acc.dtype)
+
+
+def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: Ring, layout: str,
+                   mask: MaskSpec, scale: float, recorder: CallRecorder):
+    """The one backward loop.  At step i the travelling side held here belongs to rank (rank - i).
+
+    Gradients of the side at home accumulate at home before the step's transfers are waited for;
+    those of the travelling side go into the accumulator of the block held now (rank's own at step 0,
+    the arriving one from step 1 on, zeroed at its first use), which is forwarded at the next step.
+    """
+    size, rank = ring.size, ring.rank
+    batch, heads_q, local_len, _ = q.shape
+    grads = (torch.zeros(q.shape, dtype=ACC_DTYPE, device=q.device),
+             torch.zeros(k.shape, dtype=ACC_DTYPE, device=k.device))
+    grads += (torch.zeros_like(grads[_DK]),)
+    if plan.queries_travel:
+        travelling, home = [q.contiguous(), grad_out, lse, delta], [k, v]
+    else:
+        travelling, home = [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
+    acc_home = [grads[i] for i in plan.travelling_grads]
+    travel_buffers = DoubleBuffer(travelling)
+    acc_buffers = DoubleBuffer(acc_home, ACC_DTYPE)
+    for step in range(size):
+        visitor = (rank - step) % size  # owner of the travelling side held now
+        q_owner, kv_owner = (visitor, rank) if plan.queries_travel else (rank, visitor)
+        requests, arriving = _post_backward_step(ring, recorder, step, travelling, travel_buffers, acc_buffers)
+        (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
+            (travelling, home) if plan.queries_travel else (home, travelling))
+        own_out = out if q_owner == rank else None
+        computed = []
+        for block in blocks(layout, mask, q_owner, kv_owner, local_len, size):
+            rows, cols = block.q_rows, block.kv_rows
+            block_grads = block_attention_backward(
+                grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], lse_cur[:, :, rows],
+                None if delta_cur is None else delta_cur[:, :, rows], None if own_out is None else own_out[:, :, rows],
+                block.causal, scale)
+            recorder.computed(step, block, batch, heads_q)
+            for i in plan.home_grads:
+                _add_rows_(grads[i], _rows(i, block), block_grads[i])
+            computed.append((block, block_grads))
+        wait(requests)
+        travel_acc = acc_home if step == 0 else acc_buffers.get(step, zero=(step == 1))
+        for block, block_grads in computed:
+            for acc, i in zip(travel_acc, plan.travelling_grads):
+                _add_rows_(acc, _rows(i, block), block_grads[i])
+        if step < size - 1:
+            travelling = arriving
+    _return_accumulators_home(ring, recorder, acc_buffers, acc_home)
+    return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)
+
+
+def _post_backward_step(ring: Ring, recorder: CallRecorder, step: int, travelling, travel_buffers: DoubleBuffer,
+                        acc_buffers: DoubleBuffer):
+    """Post one backward step's transfers: the inputs that travel (until the last step) and, from
+    step 2 on, the gradient accumulator finished at the previous step (the one of the block held now
+    arrives).  Returns ``(requests, the arriving inputs or None)``."""
+    sends, recvs, arriving = [], [], None
+    if step < ring.size - 1:
+        arriving = travel_buffers.get(step)
+        sends += travelling
+        recvs += arriving
+    if step >= 2:
+        sends += acc_buffers.get(step - 1)
+        recvs += acc_buffers.get(step)
+    return ring.post(sends, recvs, recorder, step), arriving
+
+
+def _return_accumulators_home(ring: Ring, recorder: CallRecorder, acc_buffers: DoubleBuffer, home: list[Tensor]) -> None:
+    """Last hop: each travelling accumulator reaches its owner and adds into the owner's own share."""
+    if ring.size == 1:
+        return
+    returned = acc_buffers.get(ring.size)
+    wait(ring.post(acc_buffers.get(ring.size - 1), returned, recorder, ring.size))
+    for acc, part in zip(home, returned):
+        acc += part
