@@ -115,3 +115,30 @@ def plan_attention(batch: int, seq_len: int, world_size: int, heads_q: int, head
         alternative_total_bytes={"forward": forward_call, "backward": per_call[other]},
         expressions={"forward": FORWARD_BYTES_PER_STEP, **BACKWARD_BYTES_PER_STEP},
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkBalance:
+    """Unmasked score entries (per batch row and head) each rank computes in one ring attention call, read
+    from :func:`burstc.ops.block_geometry.blocks` (what the op computes and its counters count)."""
+
+    per_rank: tuple[int, ...]
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.per_rank) / len(self.per_rank)
+        return max(self.per_rank) / mean if mean else 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def predicted_work(layout: str, mask, seq_len: int, world_size: int) -> WorkBalance:
+    """Per-rank attention work for ``mask`` (a :class:`burstc.attention_ir.MaskSpec`) in ``layout``."""
+    from burstc.ops.block_geometry import blocks
+
+    if seq_len % world_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of world_size ({world_size})")
+    local_len = seq_len // world_size
+    return WorkBalance(tuple(
+        sum(block.score_entries for kv_owner in range(world_size)
+            for block in blocks(layout, mask, rank, kv_owner, local_len, world_size))
+        for rank in range(world_size)))

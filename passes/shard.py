@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
+from burstc.attention_ir import MaskSpec
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
@@ -75,7 +76,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
 
-    from burstc.planner import plan_attention
+    from burstc.planner import plan_attention, predicted_work
 
     for node in plan.attention:
         kw = sdpa_kwargs(node)
@@ -85,14 +86,15 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         Hkv = val(k).shape[1]
         scale = kw["scale"] if kw["scale"] is not None else D ** -0.5
         choice = plan_attention(B, analyzer.padded_len, analyzer.P, Hq, Hkv, D, val(q).dtype)
+        mask = match.mask if match is not None else (MaskSpec.causal() if kw["is_causal"] else MaskSpec.full())
+        balance = predicted_work(layout, mask, analyzer.padded_len, analyzer.P)
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
         per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
+        # the attention IR's mask is what the op executes (the normal form's is_causal says the same)
+        assert mask.is_causal == bool(kw["is_causal"]) and mask.ring_supported, (mask, kw["is_causal"])
         with graph.inserting_before(node):
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
-                                       (q, k, v, [group_name], layout,
-                                        (burstc.attention_ir.MaskSpec.causal() if kw["is_causal"]
-                                         else burstc.attention_ir.MaskSpec.full()).encode(),
-                                        float(scale), plan_name))
+                                       (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
@@ -104,6 +106,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
             "predicted_bytes": dict(per_step),
             "planner_choice": choice.plan,
+            "work_max_over_mean": round(balance.max_over_mean, 4),
         }, module=module_path(node))
 
     for node in plan.losses:

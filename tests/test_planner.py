@@ -117,3 +117,24 @@ def test_byte_counter_equals_prediction(workers, world_size, heads, dtype):
             assert len(got["backward_per_step"]) == world_size + 1, context
         if plan == "auto":
             assert results[0]["backward_total"] == prediction.total_bytes["backward"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_predicted_work_is_the_visible_area_of_each_ranks_queries(layout, world_size, causal):
+    from burstc.attention_ir import MaskSpec
+    from burstc.layout import local_positions, required_multiple
+    from burstc.planner import predicted_work
+
+    mask = MaskSpec.causal() if causal else MaskSpec.full()
+    seq_len = 6 * required_multiple(world_size, layout)
+    balance = predicted_work(layout, mask, seq_len, world_size)
+    everything = torch.arange(seq_len)
+    dense = [int(mask.visible(local_positions(seq_len, world_size, r, layout), everything).sum())
+             for r in range(world_size)]
+    assert list(balance.per_rank) == dense
+    if layout == "zigzag" or not causal:
+        assert balance.max_over_mean == 1.0
+    elif layout == "contiguous" and world_size > 1:
+        assert balance.max_over_mean > 1.4  # the last rank sees everything before it
