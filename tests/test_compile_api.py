@@ -164,15 +164,10 @@ def test_shard_analysis_error_is_a_refusal(monkeypatch):
     from burstc.passes import PassContext
     from burstc.report import Report
 
-    graphs = []
+    from burstc.testing.graphs import dynamo_graph
 
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
     ids = torch.randint(0, 37, (1, 8))
-    torch.compile(TinyLM(), backend=capture)(ids, ids)
+    graphs = [dynamo_graph(TinyLM(), ids, ids, fullgraph=False)]
 
     def broken(self, node):
         raise KeyError("no rule")

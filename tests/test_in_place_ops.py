@@ -7,6 +7,7 @@ import torch
 import burstc
 from burstc.passes.graph_utils import eliminate_dead_code, in_place_writes, is_mutating
 from burstc.testing import assert_equivalent, zoo
+from burstc.testing.graphs import dynamo_graph
 
 pytestmark = pytest.mark.multirank
 
@@ -50,16 +51,7 @@ def test_positions_modified_in_place_are_not_sharded_stale(workers):
     _refused_in_place(workers, zoo.InPlacePositions, 2, "shard")
 
 
-def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    return graphs[0]
+_dynamo_graph = dynamo_graph
 
 
 def test_in_place_ops_are_recognized():

@@ -139,18 +139,16 @@ def _detect(fn, *inputs, world_size=2):
     values of buffers) -> (graph after the pass, context)."""
     from burstc.passes.detect_attention import detect_attention
 
-    found = []
+    from burstc.testing.graphs import dynamo_graph
 
-    def backend(gm, example_inputs):
+    def run_pass(gm, example_inputs):
         context = PassContext(report=Report(BurstConfig(), world_size=world_size), graph_id=0,
-                              world_size=world_size, example_inputs=list(example_inputs))
+                              world_size=world_size, example_inputs=example_inputs)
         context.start_pass("detect_attention")
-        found.append((detect_attention(gm, config=BurstConfig(), context=context), context))
-        return gm.forward
+        detect_attention(gm, config=BurstConfig(), context=context)
+        return context
 
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*inputs)
-    return found[0]
+    return dynamo_graph(fn, *inputs, inside=run_pass)
 
 
 def test_detect_attention_records_a_causal_match_for_manual_softmax_attention():

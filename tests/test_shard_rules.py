@@ -19,21 +19,12 @@ from burstc.sharding.analysis import Analyzer, find_sequence_length
 from burstc.sharding.codes import CODES
 from burstc.sharding.placements import REPLICATE, MergedRows, Shard, TuplePlacement
 from burstc.sharding.rules import MERGED_RULES, REPLICATED_RULES, SHARDED_RULES
+from burstc.testing.graphs import dynamo_graph
 
 B, S, H, V, P = 1, 8, 16, 32, 4  # 4 ranks: s = 2 local tokens
 
 
-def capture_graph(fn, *inputs):
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True)(*inputs)
-    (gm,) = graphs
-    return gm
+capture_graph = dynamo_graph
 
 
 def analyzer_for(fn, *inputs):
