@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from burstc import layout as layouts  # noqa: E402
 from burstc.attention_ir import MaskSpec  # noqa: E402
-from burstc.ops.block_geometry import blocks  # noqa: E402
+from burstc.block_geometry import blocks  # noqa: E402
 from burstc.planner import plan_attention  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The attention IR: what one attention computes, independent of how the graph spelled it.
 
 Detection (``passes/detect_attention.py``) produces one :class:`AttentionMatch` per attention; the shard
-pass, the planner, the block geometry (``burstc/ops/block_geometry.py``) and the ring op read it.  The
+pass, the planner, the block geometry (``burstc/block_geometry.py``) and the ring op read it.  The
 mask is a :class:`MaskSpec`: an AND of mask terms plus score modifications, so that every kind a model
 uses is one value that can be compared, printed, planned for and handed to a custom op.
 

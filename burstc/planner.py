@@ -30,6 +30,8 @@ import functools
 import sympy
 import torch
 
+from burstc.block_geometry import blocks
+
 B, S, P, Hq, Hkv, D, a = sympy.symbols("B S P Hq Hkv D a", positive=True, integer=True)
 FP32_BYTES = 4
 _s = S / P  # tokens per rank
@@ -120,7 +122,7 @@ def plan_attention(batch: int, seq_len: int, world_size: int, heads_q: int, head
 @dataclasses.dataclass(frozen=True)
 class WorkBalance:
     """Unmasked score entries (per batch row and head) each rank computes in one ring attention call, read
-    from :func:`burstc.ops.block_geometry.blocks` (what the op computes and its counters count)."""
+    from :func:`burstc.block_geometry.blocks` (what the op computes and its counters count)."""
 
     per_rank: tuple[int, ...]
 
@@ -133,8 +135,6 @@ class WorkBalance:
 @functools.lru_cache(maxsize=256)
 def predicted_work(layout: str, mask, seq_len: int, world_size: int) -> WorkBalance:
     """Per-rank attention work for ``mask`` (a :class:`burstc.attention_ir.MaskSpec`) in ``layout``."""
-    from burstc.ops.block_geometry import blocks
-
     if seq_len % world_size:
         raise ValueError(f"seq_len ({seq_len}) must be a multiple of world_size ({world_size})")
     local_len = seq_len // world_size

@@ -372,7 +372,7 @@ def test_torch_compile_fullgraph(workers, backend, plan, layout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Local pieces: merge, kernels (no process group needed; block selection: test_block_geometry.py)
+# Local pieces: merge, kernels (no process group needed; block selection: test_ring_pieces.py)
 
 
 @pytest.mark.parametrize("causal", [True, False])

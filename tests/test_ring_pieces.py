@@ -9,7 +9,7 @@ import torch.distributed as dist
 from burstc import layout as layouts
 from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
 from burstc.ops import ring_attention as ra
-from burstc.ops.block_geometry import CAUSAL, FULL, Block, blocks
+from burstc.block_geometry import CAUSAL, FULL, Block, blocks
 from burstc.ops.ring_comm import Ring
 
 MASKS = {"full": MaskSpec.full(), "causal": MaskSpec.causal()}

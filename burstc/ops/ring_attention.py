@@ -11,7 +11,7 @@ and inside ``torch.compile(fullgraph=True)``.  The pieces:
 
 * :mod:`burstc.ops.ring_loops`: the forward loop and the one backward loop (plans ``kv_ring`` and
   ``burst``; :mod:`burstc.planner` picks for ``"auto"``);
-* :mod:`burstc.ops.block_geometry`: which blocks of a (query shard, key shard) pair the mask leaves;
+* :mod:`burstc.block_geometry`: which blocks of a (query shard, key shard) pair the mask leaves;
 * :mod:`burstc.kernels.attention_blocks`: the block kernels;
 * :mod:`burstc.ops.lse_merge`: the LSE convention (fp32, natural log of the scaled scores,
   ``[B, H, S]`` contiguous), the merge, delta;
@@ -29,7 +29,7 @@ from torch import Tensor
 from burstc.attention_ir import MaskSpec
 from burstc.layout import check_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
-from burstc.ops.block_geometry import check_executable
+from burstc.block_geometry import check_executable
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, resolve_group
 from burstc.ops.ring_loops import BACKWARD_PLANS, ring_backward, ring_forward

@@ -13,7 +13,7 @@ Backward, parametrized by what travels (:data:`BACKWARD_PLANS`):
 Transfers are double-buffered: the next block's transfer is posted before the current block is
 computed and waited for after.  A travelling accumulator trails its block by one step (it travels
 from step 2 on) and makes one last hop home, where its owner's own (step 0) contribution waited.
-Which (query, key) entries of a pair are computed is :func:`burstc.ops.block_geometry.blocks`'s answer.
+Which (query, key) entries of a pair are computed is :func:`burstc.block_geometry.blocks`'s answer.
 LSE convention: :mod:`burstc.ops.lse_merge`.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from burstc.attention_ir import MaskSpec
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
-from burstc.ops.block_geometry import Block, blocks
+from burstc.block_geometry import Block, blocks
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_
 from burstc.ops.ring_comm import DoubleBuffer, Ring, wait
 from burstc.ops.ring_stats import CallRecorder

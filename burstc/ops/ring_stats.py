@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from burstc.ops.block_geometry import Block
+    from burstc.block_geometry import Block
     from burstc.ops.ring_comm import Ring
 
 
