@@ -5,7 +5,7 @@
 
 Both backends go through the same hook points, so an AOT-stage pass (the coming ``schedule`` and
 ``checkpoint`` passes) is a plain registry entry in ``burstc.passes.PASSES``.  The partitioner hook is
-:class:`BurstPartitioner`: today it runs torch's min-cut rematerialization partitioner unchanged (what
+:func:`partitioner_class`'s ``BurstPartitioner``: today it runs torch's min-cut rematerialization partitioner unchanged (what
 both backends used before); recompute decisions of a ``checkpoint`` pass plug in there.
 
 The AOTAutograd cache is bypassed for burstc graphs so that the forward and backward graphs are
@@ -16,25 +16,34 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import functools
+
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from burstc._logging import dump_graph, log_event
 from burstc.report import snapshot_graph
 
 
-class BurstPartitioner(CustomPartitionerFn):
-    """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner)."""
+@functools.cache
+def partitioner_class() -> type:
+    """:class:`BurstPartitioner`, built on first use: importing Inductor (and with it Triton) is deferred
+    to the first compile, as torch.compile itself does."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-    def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
-                 ) -> tuple[fx.GraphModule, fx.GraphModule]:
-        from functorch.compile import min_cut_rematerialization_partition
+    class BurstPartitioner(CustomPartitionerFn):
+        """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner)."""
 
-        return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+        def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+                     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            from functorch.compile import min_cut_rematerialization_partition
 
-    def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
+
+    return BurstPartitioner
 
 
 def _stage_runner(stage: str, *, config, context, record):
@@ -54,7 +63,7 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
     """Compile the rewritten Dynamo graph ``gm`` with ``config.backend``; returns the callable Dynamo runs."""
     run_forward = _stage_runner("forward", config=config, context=context, record=record)
     run_backward = _stage_runner("backward", config=config, context=context, record=record)
-    partitioner = BurstPartitioner()
+    partitioner = partitioner_class()()
     if config.backend == "aot_eager":
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
