@@ -137,22 +137,44 @@ def visible_intervals(q_positions: torch.Tensor, kv_positions: torch.Tensor, mas
 @functools.lru_cache(maxsize=4096)
 def _window_blocks(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
                    ) -> tuple[Block, ...]:
-    """One block of the pair's visible entries under a window (cached: the op asks every step)."""
+    """The pair's blocks under a window (cached: the op asks every step).  The own pair is one block
+    (the ring's merge starts from it, so it must cover every row); another pair splits into runs of
+    rows: rows seeing the same keys make a full block, the rows between them one block each stretch."""
     seq_len = local_len * world_size
     lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
                                local_positions(seq_len, world_size, kv_owner, layout), MaskSpec(terms))
+    if q_owner == kv_owner:
+        return (_rows_block(0, local_len, lo, hi),)
+    change = torch.ones(local_len, dtype=torch.bool)
+    change[1:] = (lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])
+    starts = change.nonzero().flatten().tolist() + [local_len]
+    seen_rows = (hi > lo).tolist()
+    found, pending = [], None  # pending: first row of the stretch not yet in a block
+    for start, stop in zip(starts, starts[1:]):
+        seen = seen_rows[start]
+        if seen and stop - start == 1:
+            pending = start if pending is None else pending
+            continue
+        if pending is not None:
+            found.append(_rows_block(pending, start, lo, hi))
+            pending = None
+        if seen:
+            found.append(Block(start, stop, int(lo[start]), int(hi[start])))
+    if pending is not None:
+        found.append(_rows_block(pending, local_len, lo, hi))
+    return tuple(found)
+
+
+def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> Block:
+    """One block for rows ``[q_start, q_stop)`` (each seeing keys ``[lo, hi)``, some row seeing any):
+    full or top-left causal when the intervals are, else positions over their bounding box."""
+    lo, hi = lo[q_start:q_stop], hi[q_start:q_stop]
     counts = hi - lo
-    rows = counts.nonzero().flatten()
-    if rows.numel() == 0:
-        return ()
-    q_start, q_stop = int(rows[0]), int(rows[-1]) + 1
-    lo, hi, counts = lo[q_start:q_stop], hi[q_start:q_stop], counts[q_start:q_stop]
     kv_start, kv_stop = int(lo[counts > 0].min()), int(hi.max())
-    width = kv_stop - kv_start
     if bool((lo == kv_start).all()):
         if bool((hi == kv_stop).all()):
-            return (Block(q_start, q_stop, kv_start, kv_stop),)
-        triangle = torch.arange(1, q_stop - q_start + 1).clamp(max=width)
+            return Block(q_start, q_stop, kv_start, kv_stop)
+        triangle = torch.arange(1, q_stop - q_start + 1).clamp(max=kv_stop - kv_start)
         if torch.equal(counts, triangle):
-            return (Block(q_start, q_stop, kv_start, kv_stop, CAUSAL),)
-    return (Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum())),)
+            return Block(q_start, q_stop, kv_start, kv_stop, CAUSAL)
+    return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))

@@ -77,7 +77,7 @@ def test_window_blocks_cover_exactly_the_visible_entries(layout, world_size):
 
 def test_windows_use_full_and_causal_blocks_where_the_geometry_allows():
     """A window covering the whole sequence is causal; a zero window on the diagonal is element-wise;
-    contiguous neighbours' bands are element-wise and far shards are skipped."""
+    contiguous neighbours' bands are element-wise where they must be and far shards are skipped."""
     for layout in layouts.LAYOUTS:
         for q_owner in range(4):
             for kv_owner in range(4):
@@ -86,6 +86,9 @@ def test_windows_use_full_and_causal_blocks_where_the_geometry_allows():
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(0), 1, 1, 8, 4) == (Block(0, 8, 0, 8, POSITIONS, 8),)
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(2), 2, 1, 8, 4) == (Block(0, 2, 6, 8, POSITIONS, 3),)
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(2), 2, 0, 8, 4) == ()
+    # rows that see the same keys make a full block (flash), the band's edge rows a positions block
+    assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(10), 1, 0, 8, 4) == (
+        Block(0, 3, 0, 8), Block(3, 8, 1, 8, POSITIONS, 7 + 6 + 5 + 4 + 3))
     assert blocks("contiguous", MaskSpec((SlidingWindow(None, None),)), 2, 3, 8, 4) == (Block(0, 8, 0, 8, FULL),)
 
 
