@@ -10,9 +10,10 @@ tuple means the mask hides the whole pair (skip its compute and, later, its tran
 Static masks (:func:`check_executable`): ``Causal`` and ``SlidingWindow`` terms, ``Alibi`` and
 ``SoftCap`` score mods.  Full and causal keep their closed-form blocks; with a window, each query
 row sees one interval of the pair's keys (global positions are increasing in local order), found by
-binary search, and the pair becomes one block: full or causal when the intervals say so, else
-positions.  Every row sees its own diagonal under a static mask, so the own pair's block covers
-every query row (the ring's merge starts from it).
+binary search.  Rows seeing the same keys make full blocks; each stretch between them one block,
+full or causal when its intervals say so, else positions over its bounding box.  Every row sees its
+own diagonal under a static mask, and the own pair stays one block, so it covers every query row
+(the ring's merge starts from it).
 
 Local order is increasing global order (:func:`burstc.layout.local_positions`), so a causal mask
 between two shards of the same rank is the plain local causal mask.

@@ -92,7 +92,8 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
             recorder.computed(step, block, batch, heads_q)
             if out_acc is None:
                 # The first block (step 0, the own diagonal one) starts the accumulators: it must
-                # cover every query row, as the merge has no -inf start.
+                # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
+                # static mask one block, and every row sees its diagonal).
                 if (block.q_start, block.q_stop) != (0, local_len):
                     raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
                 out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
