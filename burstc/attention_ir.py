@@ -19,9 +19,10 @@ Terms (each is a frozen dataclass; a spec holds at most one of each kind, in can
 Score modifications (applied to the scaled scores before the softmax, in this order):
 :class:`Alibi` (``s + slope_h * (j - i)``), :class:`SoftCap` (``c * tanh(s / c)``), :class:`FlexScore`.
 
-Today the ring op executes ``full`` and ``causal`` (``MaskSpec.ring_supported``); the other kinds are
-designed here so that recognizing and executing them is an addition (the masks issue), and
-:meth:`MaskSpec.visible` is the plain-torch reference for every static term.
+The ring op executes every static spec (``MaskSpec.ring_supported``: causal, sliding windows, ALiBi,
+soft-cap and ANDs of these); documents, key padding and flex subgraphs need runtime data and are
+designed here so that executing them is an addition.  :meth:`MaskSpec.visible` is the plain-torch
+reference for every static term.
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ ScoreMod = Alibi | SoftCap | FlexScore
 _TERM_ORDER = (Causal, SlidingWindow, Documents, KeyPadding, FlexMask)
 _SCORE_ORDER = (Alibi, SoftCap, FlexScore)
 # terms whose values are known at compile time from positions alone
-_STATIC_TERMS = (Causal, SlidingWindow)
+STATIC_TERMS = (Causal, SlidingWindow)
+STATIC_SCORE_MODS = (Alibi, SoftCap)
 
 
 def _opt(v: int | None) -> str:
@@ -199,8 +201,10 @@ class MaskSpec:
 
     @property
     def ring_supported(self) -> bool:
-        """What the ring op executes today (full or causal)."""
-        return self.is_full or self.is_causal
+        """What the ring op executes: static specs, computable from global positions alone
+        (:class:`Causal`, :class:`SlidingWindow`, :class:`Alibi`, :class:`SoftCap`)."""
+        return all(isinstance(t, STATIC_TERMS) for t in self.terms) and \
+            all(isinstance(m, STATIC_SCORE_MODS) for m in self.score_mods)
 
     @property
     def runtime_sources(self) -> tuple[str, ...]:

@@ -1,9 +1,19 @@
 """Block geometry: which parts of a (query shard, key/value shard) pair a mask leaves to compute.
 
 :func:`blocks` is the one answer for the ring op, its work counters and the benchmarks' work balance:
-a tuple of :class:`Block` sub-rectangles of the pair, each computed by one dense or top-left-causal
-kernel call, whose union is exactly the visible (query, key) entries of the pair.  The empty tuple
-means the mask hides the whole pair (skip its compute and, later, its transfer).
+a tuple of :class:`Block` sub-rectangles of the pair, each computed by one kernel call, that cover
+every visible (query, key) entry of the pair exactly once.  A block is dense (:data:`FULL`),
+top-left causal (:data:`CAUSAL`), or :data:`POSITIONS`: its rectangle holds hidden entries too, and
+the kernel evaluates the mask element-wise from the global positions (window edges).  The empty
+tuple means the mask hides the whole pair (skip its compute and, later, its transfer).
+
+Static masks (:func:`check_executable`): ``Causal`` and ``SlidingWindow`` terms, ``Alibi`` and
+``SoftCap`` score mods.  Full and causal keep their closed-form blocks; with a window, each query
+row sees one interval of the pair's keys (global positions are increasing in local order), found by
+binary search.  Rows seeing the same keys make full blocks; each stretch between them one block,
+full or causal when its intervals say so, else positions over its bounding box.  Every row sees its
+own diagonal under a static mask, and the own pair stays one block, so it covers every query row
+(the ring's merge starts from it).
 
 Local order is increasing global order (:func:`burstc.layout.local_positions`), so a causal mask
 between two shards of the same rank is the plain local causal mask.
@@ -11,29 +21,37 @@ between two shards of the same rank is the plain local causal mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from burstc.attention_ir import MaskSpec
-from burstc.layout import check_layout
+import torch
+
+from burstc.attention_ir import STATIC_SCORE_MODS, STATIC_TERMS, Causal, MaskSpec, SlidingWindow
+from burstc.layout import check_layout, local_positions
 
 FULL = "full"
 CAUSAL = "causal"  # top-left aligned on the block: block row i sees block keys 0..i
-BLOCK_MASKS = (FULL, CAUSAL)
+POSITIONS = "positions"  # element-wise mask from the block's global positions
+BLOCK_MASKS = (FULL, CAUSAL, POSITIONS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Block:
     """Attention of query rows ``[q_start, q_stop)`` against key rows ``[kv_start, kv_stop)`` of the
-    two shards, with the block's own ``mask`` (:data:`FULL` or top-left :data:`CAUSAL`)."""
+    two shards, with the block's own ``mask`` (:data:`FULL`, top-left :data:`CAUSAL`, or
+    :data:`POSITIONS` with ``visible_entries``, its count of visible entries)."""
 
     q_start: int
     q_stop: int
     kv_start: int
     kv_stop: int
     mask: str = FULL
+    visible_entries: int | None = None  # POSITIONS blocks only
 
     def __post_init__(self):
         if self.mask not in BLOCK_MASKS:
             raise ValueError(f"block mask must be one of {BLOCK_MASKS}, got {self.mask!r}")
+        if (self.mask == POSITIONS) != (self.visible_entries is not None):
+            raise ValueError(f"visible_entries is given exactly for {POSITIONS!r} blocks, got {self}")
 
     @property
     def causal(self) -> bool:
@@ -50,6 +68,8 @@ class Block:
     @property
     def score_entries(self) -> int:
         """Unmasked (query, key) pairs of the block (top-left causal: row i sees i + 1 keys)."""
+        if self.visible_entries is not None:
+            return self.visible_entries
         rows, cols = self.q_stop - self.q_start, self.kv_stop - self.kv_start
         if not self.causal:
             return rows * cols
@@ -58,9 +78,13 @@ class Block:
 
 
 def check_executable(mask: MaskSpec) -> MaskSpec:
-    """``mask`` if the ring executes it today (full or causal), else ``NotImplementedError`` naming it."""
-    if not (mask.is_full or mask.is_causal):
-        raise NotImplementedError(f"ring attention executes only full and causal masks, not {mask.encode()!r}")
+    """``mask`` if the ring executes it (static: computable from global positions alone, as
+    :attr:`MaskSpec.ring_supported` says), else ``NotImplementedError`` naming what it lacks."""
+    if not mask.ring_supported:
+        runtime = [t for t in (*mask.terms, *mask.score_mods) if not isinstance(t, STATIC_TERMS + STATIC_SCORE_MODS)]
+        raise NotImplementedError(
+            f"ring attention executes static masks only (causal, sliding window, ALiBi, soft-cap), not "
+            f"{mask.encode()!r}: {', '.join(t.encode() for t in runtime)} needs runtime data or a subgraph")
     return mask
 
 
@@ -75,9 +99,11 @@ def blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if local_len < 1 or (layout == "zigzag" and local_len % 2):
         raise ValueError(f"layout {layout!r} cannot hold {local_len} tokens per rank")
     s = local_len
-    if mask.is_full:
+    if mask.term(SlidingWindow) is not None:
+        return _window_blocks(layout, mask.terms, q_owner, kv_owner, local_len, world_size)
+    if Causal() not in mask.terms:
         return (Block(0, s, 0, s),)
-    if q_owner == kv_owner:
+    if q_owner == kv_owner:  # causal (score mods don't change the geometry)
         return (Block(0, s, 0, s, CAUSAL),)
     if layout == "zigzag":
         # Rank r holds chunks r (head) and 2P-1-r (tail), s/2 tokens each.  An earlier rank's
@@ -93,3 +119,63 @@ def blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
         return (Block(1, s, 0, s - 1, CAUSAL),) if s > 1 else ()
     # contiguous: earlier shards are entirely visible, later ones entirely hidden
     return (Block(0, s, 0, s),) if kv_owner < q_owner else ()
+
+
+def visible_intervals(q_positions: torch.Tensor, kv_positions: torch.Tensor, mask: MaskSpec
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)``: query row ``i`` sees exactly the keys ``lo[i] <= j < hi[i]`` (empty when
+    ``lo >= hi``) under the static terms of ``mask``; both positions increasing."""
+    window = mask.term(SlidingWindow) or SlidingWindow(None, None)
+    first = q_positions - window.left if window.left is not None else torch.full_like(q_positions, -1)
+    last = q_positions + window.right if window.right is not None else torch.full_like(q_positions, kv_positions.max())
+    if Causal() in mask.terms:
+        last = torch.minimum(last, q_positions)
+    lo = torch.searchsorted(kv_positions, first)
+    hi = torch.searchsorted(kv_positions, last, right=True)
+    return lo, torch.maximum(hi, lo)
+
+
+@functools.lru_cache(maxsize=4096)
+def _window_blocks(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
+                   ) -> tuple[Block, ...]:
+    """The pair's blocks under a window (cached: the op asks every step).  The own pair is one block
+    (the ring's merge starts from it, so it must cover every row); another pair splits into runs of
+    rows: rows seeing the same keys make a full block, the rows between them one block each stretch."""
+    seq_len = local_len * world_size
+    lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
+                               local_positions(seq_len, world_size, kv_owner, layout), MaskSpec(terms))
+    if q_owner == kv_owner:
+        return (_rows_block(0, local_len, lo, hi),)
+    change = torch.ones(local_len, dtype=torch.bool)
+    change[1:] = (lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])
+    starts = change.nonzero().flatten().tolist() + [local_len]
+    seen_rows = (hi > lo).tolist()
+    found, pending = [], None  # pending: first row of the stretch not yet in a block
+    for start, stop in zip(starts, starts[1:]):
+        seen = seen_rows[start]
+        if seen and stop - start == 1:
+            pending = start if pending is None else pending
+            continue
+        if pending is not None:
+            found.append(_rows_block(pending, start, lo, hi))
+            pending = None
+        if seen:
+            found.append(Block(start, stop, int(lo[start]), int(hi[start])))
+    if pending is not None:
+        found.append(_rows_block(pending, local_len, lo, hi))
+    return tuple(found)
+
+
+def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> Block:
+    """One block for rows ``[q_start, q_stop)`` (each seeing keys ``[lo, hi)``, some row seeing any):
+    full or top-left causal when the intervals are, else positions over their bounding box."""
+    lo, hi = lo[q_start:q_stop], hi[q_start:q_stop]
+    counts = hi - lo
+    kv_start, kv_stop = int(lo[counts > 0].min()), int(hi.max())
+    if bool((lo == kv_start).all()):
+        if bool((hi == kv_stop).all()):
+            return Block(q_start, q_stop, kv_start, kv_stop)
+        triangle = torch.arange(1, q_stop - q_start + 1).clamp(max=kv_stop - kv_start)
+        if torch.equal(counts, triangle):
+            return Block(q_start, q_stop, kv_start, kv_stop, CAUSAL)
+    return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))

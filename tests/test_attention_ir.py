@@ -15,7 +15,8 @@ def test_full_and_causal():
     causal = MaskSpec.causal()
     assert causal.is_causal and not causal.is_full and causal.kind == "causal" and causal.ring_supported
     windowed = causal & SlidingWindow(3)
-    assert not windowed.is_causal and not windowed.ring_supported
+    assert not windowed.is_causal and windowed.ring_supported  # static: the ring executes it
+    assert not (causal & Documents("doc_ids")).ring_supported
 
 
 def test_terms_are_canonically_ordered_and_unique():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from burstc import layout as layouts
-from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
+from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.ops import ring_attention as ra
 from burstc.block_geometry import CAUSAL, FULL, Block, blocks
 from burstc.ops.ring_comm import Ring
@@ -55,8 +55,8 @@ def test_block_score_entries(rows, cols):
     assert Block(2, 2 + rows, 1, 1 + cols, CAUSAL).score_entries == int(torch.ones(rows, cols).tril().sum())
 
 
-@pytest.mark.parametrize("mask", [MaskSpec.causal() & SlidingWindow(3), MaskSpec.causal() & Documents("doc_ids"),
-                                  MaskSpec((SlidingWindow(2, 2),))])
+@pytest.mark.parametrize("mask", [MaskSpec.causal() & SlidingWindow(3) & Documents("doc_ids"),
+                                  MaskSpec.causal() & Documents("doc_ids"), MaskSpec((KeyPadding("attention_mask"),))])
 def test_blocks_refuse_masks_the_ring_does_not_execute(mask):
     with pytest.raises(NotImplementedError, match=mask.encode().replace("(", r"\(").replace(")", r"\)")):
         blocks("zigzag", mask, 0, 1, 4, 2)
@@ -100,8 +100,8 @@ def test_op_takes_one_sequence_parallel_group_for_now():
 
 def test_public_api_mask_arguments():
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="window"):
-        ra.ring_attention(q, q, q, mask=MaskSpec.causal() & SlidingWindow(2))
+    with pytest.raises(NotImplementedError, match="documents"):
+        ra.ring_attention(q, q, q, mask=MaskSpec.causal() & Documents("doc_ids"))
     with pytest.raises(ValueError, match="causal= or mask="):
         ra.ring_attention(q, q, q, causal=True, mask=MaskSpec.causal())
     assert ra._resolve_mask(None, None) == ra._resolve_mask(True, None) == MaskSpec.causal()

@@ -181,7 +181,7 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
 
     q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` with ``Hq % Hkv == 0``, tokens in
     ``layout`` order (:func:`burstc.layout.local_positions`).  The mask: ``causal=`` (default True)
-    or a :class:`burstc.attention_ir.MaskSpec` (``mask=``; full and causal run today).  ``plan`` picks
+    or a :class:`burstc.attention_ir.MaskSpec` (``mask=``; every static spec runs).  ``plan`` picks
     the backward (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's cheaper one).
     """
     mask = _resolve_mask(causal, mask)

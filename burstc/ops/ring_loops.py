@@ -13,7 +13,10 @@ Backward, parametrized by what travels (:data:`BACKWARD_PLANS`):
 Transfers are double-buffered: the next block's transfer is posted before the current block is
 computed and waited for after.  A travelling accumulator trails its block by one step (it travels
 from step 2 on) and makes one last hop home, where its owner's own (step 0) contribution waited.
-Which (query, key) entries of a pair are computed is :func:`burstc.block_geometry.blocks`'s answer.
+Which (query, key) entries of a pair are computed is :func:`burstc.block_geometry.blocks`'s answer;
+full and causal blocks without score mods run the flash-style kernels of
+:mod:`burstc.kernels.attention_blocks`, the others the position-masked kernels of
+:mod:`burstc.kernels.masked_attention_blocks`.
 LSE convention: :mod:`burstc.ops.lse_merge`.
 """
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch import Tensor
 
 from burstc.attention_ir import MaskSpec
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
-from burstc.block_geometry import Block, blocks
+from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward
+from burstc.block_geometry import POSITIONS, Block, blocks
+from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_
 from burstc.ops.ring_comm import DoubleBuffer, Ring, wait
 from burstc.ops.ring_stats import CallRecorder
@@ -52,6 +57,17 @@ class BackwardPlan:
 BACKWARD_PLANS = {"kv_ring": BackwardPlan(queries_travel=False), "burst": BackwardPlan(queries_travel=True)}
 
 
+def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
+                  ring: Ring, device) -> tuple[Tensor, Tensor] | None:
+    """The block's global ``(q positions, kv positions)`` when it needs the position-masked kernel
+    (a :data:`POSITIONS` block, or score mods), else None (the flash-style kernels serve it)."""
+    if block.mask != POSITIONS and not mask.score_mods:
+        return None
+    seq_len = local_len * ring.size
+    return (local_positions(seq_len, ring.size, q_owner, layout, device)[block.q_rows],
+            local_positions(seq_len, ring.size, kv_owner, layout, device)[block.kv_rows])
+
+
 def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
                  scale: float) -> tuple[Tensor, Tensor]:
     """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring."""
@@ -67,12 +83,17 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
             kv_next = kv_buffers.get(step)
             requests = ring.post(kv_cur, kv_next, recorder, step)
         for block in blocks(layout, mask, ring.rank, kv_owner, local_len, ring.size):
-            k_blk, v_blk = (t[:, :, block.kv_rows] for t in kv_cur)
-            out_blk, lse_blk = block_attention_forward(q_BHSD[:, :, block.q_rows], k_blk, v_blk, block.causal, scale)
+            q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
+            positions = _positions_of(block, mask, layout, ring.rank, kv_owner, local_len, ring, q_BHSD.device)
+            if positions is None:
+                out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
+            else:
+                out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale)
             recorder.computed(step, block, batch, heads_q)
             if out_acc is None:
                 # The first block (step 0, the own diagonal one) starts the accumulators: it must
-                # cover every query row, as the merge has no -inf start.
+                # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
+                # static mask one block, and every row sees its diagonal).
                 if (block.q_start, block.q_stop) != (0, local_len):
                     raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
                 out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
@@ -146,10 +167,14 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
         computed = []
         for block in blocks(layout, mask, q_owner, kv_owner, local_len, size):
             rows, cols = block.q_rows, block.kv_rows
-            block_grads = block_attention_backward(
-                grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols], lse_cur[:, :, rows],
-                None if delta_cur is None else delta_cur[:, :, rows], None if own_out is None else own_out[:, :, rows],
-                block.causal, scale)
+            inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+                      lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
+                      None if own_out is None else own_out[:, :, rows])
+            positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, q.device)
+            if positions is None:
+                block_grads = block_attention_backward(*inputs, block.causal, scale)
+            else:
+                block_grads = masked_block_backward(*inputs, *positions, mask, scale)
             recorder.computed(step, block, batch, heads_q)
             for i in plan.home_grads:
                 _add_rows_(grads[i], _rows(i, block), block_grads[i])

@@ -1,0 +1,100 @@
+"""The element-wise masked block kernels: blocks whose mask or score mods need global positions.
+
+A :data:`burstc.block_geometry.POSITIONS` block (a sliding window's edge), and any block when the
+spec has score mods (:class:`~burstc.attention_ir.Alibi`, :class:`~burstc.attention_ir.SoftCap`),
+runs here: plain torch in fp32, chunked over query rows like the reference kernels of
+:mod:`burstc.kernels.attention_blocks` (same score budget), and each chunk only touches the key
+columns its rows can see (binary search on the positions), so a narrow window costs its band, not
+the block.  Scores, in order: ``s = scale * q k^T``; ALiBi ``s + slope_h * (j - i)``; soft-cap
+``c * tanh(s / c)``; then hidden entries are ``-inf``.  Same contracts and LSE convention as the
+kernels of :mod:`burstc.kernels.attention_blocks`; a row that sees nothing in the block gets
+``lse = -inf`` and ``out = 0`` (the merge leaves such rows unchanged).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from burstc.attention_ir import Alibi, MaskSpec, SoftCap
+from burstc.block_geometry import visible_intervals
+from burstc.kernels.attention_blocks import _reference_row_chunk, _repeat_kv_heads
+from burstc.ops.lse_merge import ACC_DTYPE, attention_delta
+
+
+def _chunks(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, batch: int, heads: int) -> Iterator[tuple[slice, slice]]:
+    """``(rows, cols)`` per chunk of query rows: cols spans every key the chunk's rows see; chunks
+    that see nothing are skipped."""
+    lo, hi = visible_intervals(q_pos, kv_pos, mask)
+    seen = hi > lo
+    chunk = _reference_row_chunk(batch, heads, kv_pos.numel())
+    for start in range(0, q_pos.numel(), chunk):
+        rows = slice(start, start + chunk)
+        if bool(seen[rows].any()):
+            yield rows, slice(int(lo[rows][seen[rows]].min()), int(hi[rows].max()))
+
+
+def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, scale: float
+            ) -> tuple[Tensor, Tensor | None]:
+    """Modded scores (``-inf`` where hidden) of a chunk and, with soft-cap, ``tanh(s / c)`` for the backward."""
+    scores = (q_chunk @ k_cols.transpose(-1, -2)) * scale
+    alibi, softcap = mask.term(Alibi), mask.term(SoftCap)
+    if alibi is not None:
+        if len(alibi.slopes) != q_chunk.shape[1]:
+            raise ValueError(f"ALiBi has {len(alibi.slopes)} slopes for {q_chunk.shape[1]} query heads")
+        slopes_H11 = torch.tensor(alibi.slopes, dtype=scores.dtype, device=scores.device).view(1, -1, 1, 1)
+        scores = scores + slopes_H11 * (kv_pos[None, :] - q_pos[:, None]).to(scores.dtype)
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap.cap)
+        scores = softcap.cap * tanh
+    return scores.masked_fill(~mask.visible(q_pos, kv_pos), float("-inf")), tanh
+
+
+def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: Tensor, kv_pos: Tensor,
+                         mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out fp32, lse_BHS fp32)`` of one block with queries/keys at global positions ``q_pos``/``kv_pos``."""
+    batch, heads_q, q_len, head_dim = q_BHSD.shape
+    acc = torch.promote_types(q_BHSD.dtype, ACC_DTYPE)
+    groups = heads_q // k_BHSD.shape[1]
+    k32, v32 = _repeat_kv_heads(k_BHSD, groups).to(acc), _repeat_kv_heads(v_BHSD, groups).to(acc)
+    out = torch.zeros(batch, heads_q, q_len, head_dim, dtype=acc, device=q_BHSD.device)
+    lse = torch.full((batch, heads_q, q_len), float("-inf"), dtype=acc, device=q_BHSD.device)
+    for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
+        scores, _ = _scores(q_BHSD[:, :, rows].to(acc), k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale)
+        lse_chunk = torch.logsumexp(scores, -1)
+        finite = torch.where(torch.isfinite(lse_chunk), lse_chunk, torch.zeros_like(lse_chunk))  # hidden rows: 0
+        out[:, :, rows] = torch.exp(scores - finite.unsqueeze(-1)) @ v32[:, :, cols]
+        lse[:, :, rows] = lse_chunk
+    return out, lse.contiguous()
+
+
+def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, lse_BHS: Tensor,
+                          delta_BHS: Tensor | None, out_BHSD: Tensor | None, q_pos: Tensor, kv_pos: Tensor,
+                          mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of one block given the *global* row statistics ``lse`` and ``delta``
+    (or ``out``, from which delta is computed), in the inputs' dtypes."""
+    batch, heads_q, _, head_dim = q_BHSD.shape
+    heads_kv, kv_len = k_BHSD.shape[1], k_BHSD.shape[2]
+    groups = heads_q // heads_kv
+    if delta_BHS is None:
+        delta_BHS = attention_delta(out_BHSD, grad_out_BHSD)
+    acc = torch.promote_types(q_BHSD.dtype, ACC_DTYPE)
+    k32, v32 = _repeat_kv_heads(k_BHSD, groups).to(acc), _repeat_kv_heads(v_BHSD, groups).to(acc)
+    dq32 = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
+    dk32 = torch.zeros(batch, heads_q, kv_len, head_dim, dtype=acc, device=q_BHSD.device)
+    dv32 = torch.zeros_like(dk32)
+    softcap = mask.term(SoftCap)
+    for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
+        q32, do32 = q_BHSD[:, :, rows].to(acc), grad_out_BHSD[:, :, rows].to(acc)
+        scores, tanh = _scores(q32, k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale)
+        probs = torch.exp(scores - lse_BHS[:, :, rows].to(acc).unsqueeze(-1))
+        dv32[:, :, cols] += probs.transpose(-1, -2) @ do32
+        dscores = probs * (do32 @ v32[:, :, cols].transpose(-1, -2) - delta_BHS[:, :, rows].to(acc).unsqueeze(-1))
+        if tanh is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2; ALiBi's bias has no gradient
+            dscores = dscores * (1 - tanh * tanh)
+        dq32[:, :, rows] = (dscores @ k32[:, :, cols]) * scale
+        dk32[:, :, cols] += (dscores.transpose(-1, -2) @ q32) * scale
+    fold = lambda t: t.view(batch, heads_kv, groups, kv_len, head_dim).sum(2)  # noqa: E731
+    return dq32.to(q_BHSD.dtype), fold(dk32).to(k_BHSD.dtype), fold(dv32).to(v_BHSD.dtype)
