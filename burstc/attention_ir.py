@@ -19,10 +19,10 @@ Terms (each is a frozen dataclass; a spec holds at most one of each kind, in can
 Score modifications (applied to the scaled scores before the softmax, in this order):
 :class:`Alibi` (``s + slope_h * (j - i)``), :class:`SoftCap` (``c * tanh(s / c)``), :class:`FlexScore`.
 
-The ring op executes every static spec (``MaskSpec.ring_supported``: causal, sliding windows, ALiBi,
-soft-cap and ANDs of these); documents, key padding and flex subgraphs need runtime data and are
-designed here so that executing them is an addition.  :meth:`MaskSpec.visible` is the plain-torch
-reference for every static term.
+The ring op executes every static spec (causal, sliding windows, ALiBi, soft-cap and ANDs of these)
+and the runtime terms :class:`Documents` and :class:`KeyPadding`, whose data (``doc_ids``,
+``key_valid``) it takes as tensor inputs (``MaskSpec.ring_supported``); flex subgraphs are not
+executed.  :meth:`MaskSpec.visible` is the plain-torch reference for every term but flex.
 """
 from __future__ import annotations
 
@@ -135,6 +135,8 @@ _SCORE_ORDER = (Alibi, SoftCap, FlexScore)
 # terms whose values are known at compile time from positions alone
 STATIC_TERMS = (Causal, SlidingWindow)
 STATIC_SCORE_MODS = (Alibi, SoftCap)
+# terms whose values are data: the ring op takes them as tensors, never as specializations
+RUNTIME_TERMS = (Documents, KeyPadding)
 
 
 def _opt(v: int | None) -> str:
@@ -201,10 +203,22 @@ class MaskSpec:
 
     @property
     def ring_supported(self) -> bool:
-        """What the ring op executes: static specs, computable from global positions alone
-        (:class:`Causal`, :class:`SlidingWindow`, :class:`Alibi`, :class:`SoftCap`)."""
-        return all(isinstance(t, STATIC_TERMS) for t in self.terms) and \
+        """What the ring op executes: static terms and score mods, computable from global positions
+        (:class:`Causal`, :class:`SlidingWindow`, :class:`Alibi`, :class:`SoftCap`), and the runtime
+        terms :class:`Documents` and :class:`KeyPadding` (their data are op inputs)."""
+        return all(isinstance(t, STATIC_TERMS + RUNTIME_TERMS) for t in self.terms) and \
             all(isinstance(m, STATIC_SCORE_MODS) for m in self.score_mods)
+
+    @property
+    def runtime_terms(self) -> tuple[MaskTerm, ...]:
+        """The :class:`Documents` / :class:`KeyPadding` terms: their values are data."""
+        return tuple(t for t in self.terms if isinstance(t, RUNTIME_TERMS))
+
+    @property
+    def static_part(self) -> "MaskSpec":
+        """The spec without its runtime terms: what global positions alone decide (a superset of
+        the visible entries, so its block geometry bounds the work)."""
+        return MaskSpec(tuple(t for t in self.terms if not isinstance(t, RUNTIME_TERMS)), self.score_mods)
 
     @property
     def runtime_sources(self) -> tuple[str, ...]:

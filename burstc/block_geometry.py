@@ -7,8 +7,10 @@ top-left causal (:data:`CAUSAL`), or :data:`POSITIONS`: its rectangle holds hidd
 the kernel evaluates the mask element-wise from the global positions (window edges).  The empty
 tuple means the mask hides the whole pair (skip its compute and, later, its transfer).
 
-Static masks (:func:`check_executable`): ``Causal`` and ``SlidingWindow`` terms, ``Alibi`` and
-``SoftCap`` score mods.  Full and causal keep their closed-form blocks; with a window, each query
+Executable masks (:func:`check_executable`): ``Causal`` and ``SlidingWindow`` terms, ``Alibi`` and
+``SoftCap`` score mods, and the runtime terms ``Documents`` and ``KeyPadding``.  :func:`blocks` is
+the static geometry: it answers for ``MaskSpec.static_part`` (the ring op evaluates the runtime
+terms element-wise inside those blocks, from the data) and refuses a spec with runtime terms.  Full and causal keep their closed-form blocks; with a window, each query
 row sees one interval of the pair's keys (global positions are increasing in local order), found by
 binary search.  Rows seeing the same keys make full blocks; each stretch between them one block,
 full or causal when its intervals say so, else positions over its bounding box.  Every row sees its
@@ -25,7 +27,7 @@ import functools
 
 import torch
 
-from burstc.attention_ir import STATIC_SCORE_MODS, STATIC_TERMS, Causal, MaskSpec, SlidingWindow
+from burstc.attention_ir import RUNTIME_TERMS, STATIC_SCORE_MODS, STATIC_TERMS, Causal, MaskSpec, SlidingWindow
 from burstc.layout import check_layout, local_positions
 
 FULL = "full"
@@ -78,13 +80,15 @@ class Block:
 
 
 def check_executable(mask: MaskSpec) -> MaskSpec:
-    """``mask`` if the ring executes it (static: computable from global positions alone, as
+    """``mask`` if the ring executes it (static terms, documents and key padding, as
     :attr:`MaskSpec.ring_supported` says), else ``NotImplementedError`` naming what it lacks."""
     if not mask.ring_supported:
-        runtime = [t for t in (*mask.terms, *mask.score_mods) if not isinstance(t, STATIC_TERMS + STATIC_SCORE_MODS)]
+        executed = STATIC_TERMS + STATIC_SCORE_MODS + RUNTIME_TERMS
+        missing = [t for t in (*mask.terms, *mask.score_mods) if not isinstance(t, executed)]
         raise NotImplementedError(
-            f"ring attention executes static masks only (causal, sliding window, ALiBi, soft-cap), not "
-            f"{mask.encode()!r}: {', '.join(t.encode() for t in runtime)} needs runtime data or a subgraph")
+            f"ring attention executes static masks only (causal, sliding window, ALiBi, soft-cap) and documents "
+            f"and key padding from their data, not {mask.encode()!r}: {', '.join(t.encode() for t in missing)} "
+            f"needs runtime data or a subgraph it does not take")
     return mask
 
 
@@ -94,6 +98,10 @@ def blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     on ``world_size`` ranks holding ``local_len`` tokens each in ``layout`` order."""
     check_layout(layout)
     check_executable(mask)
+    if mask.runtime_terms:
+        raise NotImplementedError(
+            f"blocks() is the static geometry, {mask.encode()!r} has runtime terms: ask for its static_part "
+            f"and evaluate {', '.join(t.encode() for t in mask.runtime_terms)} element-wise from the data")
     if not (0 <= q_owner < world_size and 0 <= kv_owner < world_size):
         raise ValueError(f"owners ({q_owner}, {kv_owner}) outside [0, {world_size})")
     if local_len < 1 or (layout == "zigzag" and local_len % 2):

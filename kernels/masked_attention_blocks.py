@@ -9,6 +9,12 @@ the block.  Scores, in order: ``s = scale * q k^T``; ALiBi ``s + slope_h * (j - 
 ``c * tanh(s / c)``; then hidden entries are ``-inf``.  Same contracts and LSE convention as the
 kernels of :mod:`burstc.kernels.attention_blocks`; a row that sees nothing in the block gets
 ``lse = -inf`` and ``out = 0`` (the merge leaves such rows unchanged).
+
+Runtime terms (:class:`~burstc.attention_ir.Documents`, :class:`~burstc.attention_ir.KeyPadding`)
+read per-batch data indexed by *global* position: ``doc_ids_BS`` / ``key_valid_BS`` ``[B, S_global]``
+(the whole sequence: every rank holds it), so the mask of an entry is ``static(i, j) & doc[b, i] ==
+doc[b, j] & valid[b, j]`` and varies with the batch index.  The backward takes the global LSE; a row
+whose global LSE is ``-inf`` (it sees nothing anywhere) gets zero gradients, not NaN.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import Alibi, MaskSpec, SoftCap
+from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SoftCap
 from burstc.block_geometry import visible_intervals
 from burstc.kernels.attention_blocks import _reference_row_chunk, _repeat_kv_heads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta
@@ -35,8 +41,19 @@ def _chunks(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, batch: int, heads: in
             yield rows, slice(int(lo[rows][seen[rows]].min()), int(hi[rows].max()))
 
 
-def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, scale: float
-            ) -> tuple[Tensor, Tensor | None]:
+def visible_entries(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, doc_ids_BS: Tensor | None = None,
+                    key_valid_BS: Tensor | None = None) -> Tensor:
+    """Bool ``[Sq, Skv]``, or ``[B, Sq, Skv]`` with runtime terms: which entries of the block are
+    visible (``doc_ids_BS`` / ``key_valid_BS`` are indexed by global position)."""
+    docs = {}
+    if mask.term(Documents) is not None:
+        docs = {"q_docs": doc_ids_BS[:, q_pos], "kv_docs": doc_ids_BS[:, kv_pos]}
+    valid = key_valid_BS[:, kv_pos] if mask.term(KeyPadding) is not None else None
+    return mask.visible(q_pos, kv_pos, **docs, kv_valid=valid)
+
+
+def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, scale: float,
+            doc_ids_BS: Tensor | None, key_valid_BS: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Modded scores (``-inf`` where hidden) of a chunk and, with soft-cap, ``tanh(s / c)`` for the backward."""
     scores = (q_chunk @ k_cols.transpose(-1, -2)) * scale
     alibi, softcap = mask.term(Alibi), mask.term(SoftCap)
@@ -49,11 +66,15 @@ def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask
     if softcap is not None:
         tanh = torch.tanh(scores / softcap.cap)
         scores = softcap.cap * tanh
-    return scores.masked_fill(~mask.visible(q_pos, kv_pos), float("-inf")), tanh
+    visible = visible_entries(q_pos, kv_pos, mask, doc_ids_BS, key_valid_BS)
+    if visible.dim() == 3:  # per batch row: broadcast over heads
+        visible = visible.unsqueeze(1)
+    return scores.masked_fill(~visible, float("-inf")), tanh
 
 
 def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: Tensor, kv_pos: Tensor,
-                         mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor]:
+                         mask: MaskSpec, scale: float, doc_ids_BS: Tensor | None = None,
+                         key_valid_BS: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(out fp32, lse_BHS fp32)`` of one block with queries/keys at global positions ``q_pos``/``kv_pos``."""
     batch, heads_q, q_len, head_dim = q_BHSD.shape
     acc = torch.promote_types(q_BHSD.dtype, ACC_DTYPE)
@@ -62,7 +83,8 @@ def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: 
     out = torch.zeros(batch, heads_q, q_len, head_dim, dtype=acc, device=q_BHSD.device)
     lse = torch.full((batch, heads_q, q_len), float("-inf"), dtype=acc, device=q_BHSD.device)
     for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
-        scores, _ = _scores(q_BHSD[:, :, rows].to(acc), k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale)
+        scores, _ = _scores(q_BHSD[:, :, rows].to(acc), k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale,
+                            doc_ids_BS, key_valid_BS)
         lse_chunk = torch.logsumexp(scores, -1)
         finite = torch.where(torch.isfinite(lse_chunk), lse_chunk, torch.zeros_like(lse_chunk))  # hidden rows: 0
         out[:, :, rows] = torch.exp(scores - finite.unsqueeze(-1)) @ v32[:, :, cols]
@@ -72,7 +94,8 @@ def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: 
 
 def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, lse_BHS: Tensor,
                           delta_BHS: Tensor | None, out_BHSD: Tensor | None, q_pos: Tensor, kv_pos: Tensor,
-                          mask: MaskSpec, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                          mask: MaskSpec, scale: float, doc_ids_BS: Tensor | None = None,
+                          key_valid_BS: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one block given the *global* row statistics ``lse`` and ``delta``
     (or ``out``, from which delta is computed), in the inputs' dtypes."""
     batch, heads_q, _, head_dim = q_BHSD.shape
@@ -88,8 +111,11 @@ def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor,
     softcap = mask.term(SoftCap)
     for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
         q32, do32 = q_BHSD[:, :, rows].to(acc), grad_out_BHSD[:, :, rows].to(acc)
-        scores, tanh = _scores(q32, k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale)
-        probs = torch.exp(scores - lse_BHS[:, :, rows].to(acc).unsqueeze(-1))
+        scores, tanh = _scores(q32, k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale, doc_ids_BS, key_valid_BS)
+        lse_rows = lse_BHS[:, :, rows].to(acc)
+        # a row that sees nothing anywhere (lse -inf) has only -inf scores: probabilities 0, not NaN
+        lse_rows = torch.where(lse_rows == float("-inf"), torch.zeros_like(lse_rows), lse_rows)
+        probs = torch.exp(scores - lse_rows.unsqueeze(-1))
         dv32[:, :, cols] += probs.transpose(-1, -2) @ do32
         dscores = probs * (do32 @ v32[:, :, cols].transpose(-1, -2) - delta_BHS[:, :, rows].to(acc).unsqueeze(-1))
         if tanh is not None:  # d(c * tanh(x / c)) / dx = 1 - tanh^2; ALiBi's bias has no gradient

@@ -16,7 +16,8 @@ def test_full_and_causal():
     assert causal.is_causal and not causal.is_full and causal.kind == "causal" and causal.ring_supported
     windowed = causal & SlidingWindow(3)
     assert not windowed.is_causal and windowed.ring_supported  # static: the ring executes it
-    assert not (causal & Documents("doc_ids")).ring_supported
+    assert (causal & Documents("doc_ids")).ring_supported  # runtime data: the op takes it as tensors
+    assert not (causal & FlexMask("mask_0")).ring_supported
 
 
 def test_terms_are_canonically_ordered_and_unique():

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from burstc import layout as layouts
-from burstc.attention_ir import Alibi, Documents, FlexMask, FlexScore, KeyPadding, MaskSpec, SlidingWindow, SoftCap
+from burstc.attention_ir import Alibi, FlexMask, FlexScore, MaskSpec, SlidingWindow, SoftCap
 from burstc.block_geometry import CAUSAL, FULL, POSITIONS, Block, blocks, check_executable
 from burstc.kernels.attention_blocks import reference_block_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward
@@ -99,8 +99,8 @@ def test_full_and_causal_blocks_ignore_score_mods():
             assert blocks(layout, modded, *pair, 4, 2) == blocks(layout, CAUSAL_SPEC, *pair, 4, 2)
 
 
-@pytest.mark.parametrize("mask", [CAUSAL_SPEC & Documents("doc_ids"), MaskSpec((KeyPadding("attention_mask"),)),
-                                  MaskSpec((FlexMask("mask_0"),)), CAUSAL_SPEC & FlexScore("score_0")])
+# documents and key padding run from their data: tests/test_ring_runtime_masks.py
+@pytest.mark.parametrize("mask", [MaskSpec((FlexMask("mask_0"),)), CAUSAL_SPEC & FlexScore("score_0")])
 def test_runtime_masks_are_refused_with_a_clear_message(mask):
     assert not mask.ring_supported
     with pytest.raises(NotImplementedError, match="static masks only.*needs runtime data"):

@@ -32,6 +32,21 @@ def merge_attention_block_(out_acc_BHSD: Tensor, lse_acc_BHS: Tensor, out_blk_BH
     lse_acc_BHS.sub_(F.logsigmoid(lse_acc_BHS - lse_blk))
 
 
+def merge_attention_block_or_empty_(out_acc_BHSD: Tensor, lse_acc_BHS: Tensor, out_blk_BHSD: Tensor,
+                                    lse_blk_BHS: Tensor) -> None:
+    """:func:`merge_attention_block_` where the running rows may be empty too (``lse = -inf``, out
+    0: the start of a merge under runtime masks, where no block need cover every row).  The
+    sigmoid form gives NaN for ``-inf - -inf``, so empty sides are selected explicitly: an empty
+    block leaves the row, an empty accumulator takes the block's row exactly."""
+    lse_blk = lse_blk_BHS.to(lse_acc_BHS.dtype)
+    empty_blk, empty_acc = lse_blk == float("-inf"), lse_acc_BHS == float("-inf")
+    diff = torch.where(empty_blk, torch.full_like(lse_blk, float("-inf")), lse_blk - lse_acc_BHS)
+    weight_blk = torch.sigmoid(diff).unsqueeze(-1)  # empty accumulator, finite block: +inf -> 1
+    out_acc_BHSD.sub_(weight_blk * (out_acc_BHSD - out_blk_BHSD.to(out_acc_BHSD.dtype)))
+    merged = lse_acc_BHS - F.logsigmoid(lse_acc_BHS - lse_blk)
+    lse_acc_BHS.copy_(torch.where(empty_blk, lse_acc_BHS, torch.where(empty_acc, lse_blk, merged)))
+
+
 def attention_delta(out_BHSD: Tensor, grad_out_BHSD: Tensor) -> Tensor:
     """``delta = rowsum(out * grad_out)`` in fp32, shape ``[B, H, S]``."""
     return (out_BHSD.to(ACC_DTYPE) * grad_out_BHSD.to(ACC_DTYPE)).sum(-1)

@@ -7,7 +7,12 @@ single-device ``F.scaled_dot_product_attention(q, k, v, <mask>, scale=scale, ena
 The work runs as ``torch.library.custom_op``s (``burstc::ring_attention_forward`` /
 ``burstc::ring_attention_backward``) that take a sequence-parallel spec: one process-group name per
 sequence-parallel mesh dim (one today) and the mask as ``MaskSpec.encode()``, so they work eagerly
-and inside ``torch.compile(fullgraph=True)``.  The pieces:
+and inside ``torch.compile(fullgraph=True)``.  Runtime mask terms take their data as optional tensor
+inputs, ``doc_ids`` (``Documents``) and ``key_valid`` (``KeyPadding``), ``[B, S_global]`` in global
+order: the model's token inputs are replicated, so every rank holds the whole batch's data and the op
+needs no communication for it.  Given exactly when the spec has the term.  A query row that sees no
+key at all gets out 0, lse -inf and zero gradients: what single-device SDPA returns for a fully
+masked row (its safe softmax), and HF's convention for padded rows.  The pieces:
 
 * :mod:`burstc.ops.ring_loops`: the forward loop and the one backward loop (plans ``kv_ring`` and
   ``burst``; :mod:`burstc.planner` picks for ``"auto"``);
@@ -26,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Documents, KeyPadding, MaskSpec
 from burstc.layout import check_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 from burstc.block_geometry import check_executable
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, resolve_group
-from burstc.ops.ring_loops import BACKWARD_PLANS, ring_backward, ring_forward
+from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_backward, ring_forward
 from burstc.ops.ring_stats import RingCallStats, RingStats, record_stats  # noqa: F401  (public API)
 
 PLANS = tuple(BACKWARD_PLANS)  # ("kv_ring", "burst")
@@ -63,22 +68,60 @@ def _ring_of(group_names: Sequence[str]) -> Ring:
 
 
 # Explicit schemas: ``str[]`` (one group name per sequence-parallel mesh dim) is not inferred from hints.
-_FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan)" \
-                  " -> (Tensor, Tensor)"
+# The runtime mask data come last, defaulting to None: a static-mask call reads as before.
+_MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None"
+_FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
+                  f" {_MASK_DATA_ARGS}) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
-                   " str[] group_names, str layout, str mask, float scale, str plan) -> (Tensor, Tensor, Tensor)"
+                   f" str[] group_names, str layout, str mask, float scale, str plan, {_MASK_DATA_ARGS})" \
+                   " -> (Tensor, Tensor, Tensor)"
+
+
+class MissingMaskData(ValueError, NotImplementedError):
+    """A runtime mask term without its data, or data without the term.  Also a NotImplementedError:
+    what the op raised for these terms before it executed them, so existing handlers still catch it."""
+
+
+def _check_data_present(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None) -> None:
+    for term, name, data in ((Documents, "doc_ids", doc_ids), (KeyPadding, "key_valid", key_valid)):
+        if (mask.term(term) is not None) != (data is not None):
+            raise MissingMaskData(
+                f"{name}= is given exactly when the mask has a {term.__name__} term: mask {mask.encode()!r}, "
+                f"{name} {'missing' if data is None else 'given'}")
+
+
+def _mask_data(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None, batch: int, seq_len: int,
+               device) -> MaskData:
+    """Check that the data match the spec's runtime terms (``[B, S_global]``: integer document ids,
+    bool key validity) and bundle them for the loops."""
+    _check_data_present(mask, doc_ids, key_valid)
+    for name, data in (("doc_ids", doc_ids), ("key_valid", key_valid)):
+        if data is None:
+            continue
+        if tuple(data.shape) != (batch, seq_len):
+            raise ValueError(f"{name} must be [B, S_global] = [{batch}, {seq_len}], got {tuple(data.shape)}")
+        if data.device != device:
+            raise ValueError(f"{name} must be on {device}, got {data.device}")
+    if doc_ids is not None and (doc_ids.is_floating_point() or doc_ids.is_complex()):
+        raise TypeError(f"doc_ids must be integer ids, got {doc_ids.dtype}")
+    if key_valid is not None and key_valid.dtype != torch.bool:
+        raise TypeError(f"key_valid must be bool (True where the key is a real token), got {key_valid.dtype}")
+    return MaskData(doc_ids, key_valid)
 
 
 @torch.library.custom_op("burstc::ring_attention_forward", mutates_args=(), schema=_FORWARD_SCHEMA)
 @without_autocast
 def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_names: list[str], layout: str, mask: str,
-                               scale: float, plan: str) -> tuple[Tensor, Tensor]:
+                               scale: float, plan: str, doc_ids: Tensor | None = None,
+                               key_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     # ``plan`` is unused here; it rides along so that the autograd context has it.
-    return ring_forward(q, k, v, _ring_of(group_names), layout, MaskSpec.decode(mask), scale)
+    ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
+    data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
+    return ring_forward(q, k, v, ring, layout, spec, scale, data)
 
 
 @_ring_attention_forward_op.register_fake
-def _(q, k, v, group_names, layout, mask, scale, plan):
+def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None):
     batch, heads_q, local_len, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, local_len), dtype=ACC_DTYPE)
 
@@ -87,28 +130,31 @@ def _(q, k, v, group_names, layout, mask, scale, plan):
 @without_autocast
 def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
-                                scale: float, plan: str) -> tuple[Tensor, Tensor, Tensor]:
-    ring = _ring_of(group_names)
+                                scale: float, plan: str, doc_ids: Tensor | None = None,
+                                key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
+    data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
     return ring_backward(resolve_plan(plan, q, k, ring.size), grad_out, q, k, v, out, lse, grad_lse, ring, layout,
-                         MaskSpec.decode(mask), scale)
+                         spec, scale, data)
 
 
 @_ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan):
+def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *config = inputs
+    q, k, v, *config, doc_ids, key_valid = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid)
     ctx.config = tuple(config)  # (group_names, layout, mask, scale, plan)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, doc_ids, key_valid = ctx.saved_tensors
+    dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config,
+                                                          doc_ids, key_valid)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _ring_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -175,27 +221,34 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: str, plan: str) -> No
 
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
                             mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
-                            scale: float | None = None) -> tuple[Tensor, Tensor]:
+                            scale: float | None = None, doc_ids: Tensor | None = None,
+                            key_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Ring attention over ``group_or_mesh``; returns ``(out [B, Hq, S_local, D] in q.dtype,
     lse [B, Hq, S_local] fp32)`` (natural log of the scaled scores).  Both are differentiable.
 
     q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` with ``Hq % Hkv == 0``, tokens in
     ``layout`` order (:func:`burstc.layout.local_positions`).  The mask: ``causal=`` (default True)
-    or a :class:`burstc.attention_ir.MaskSpec` (``mask=``; every static spec runs).  ``plan`` picks
-    the backward (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's cheaper one).
+    or a :class:`burstc.attention_ir.MaskSpec` (``mask=``; every static spec runs, and
+    ``Documents`` / ``KeyPadding`` with their data: ``doc_ids`` integer and ``key_valid`` bool, both
+    ``[B, S_global]`` over the whole sequence in global order, given exactly when the spec has the
+    term).  ``plan`` picks the backward (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's
+    cheaper one).  A query row that sees nothing gets out 0, lse -inf, zero gradients (as SDPA).
     """
     mask = _resolve_mask(causal, mask)
+    _check_data_present(mask, doc_ids, key_valid)
     q, k, v = cast_like_lower_precision((q, k, v), q.device.type)  # as SDPA under torch.autocast
     _check_inputs(q, k, v, layout, plan)
     group = resolve_ring_group(group_or_mesh)
+    _mask_data(mask, doc_ids, key_valid, q.shape[0], q.shape[2] * dist.get_world_size(group), q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.burstc.ring_attention_forward(q, k, v, [group.group_name], layout, mask.encode(), scale, plan)
+    return torch.ops.burstc.ring_attention_forward(q, k, v, [group.group_name], layout, mask.encode(), scale, plan,
+                                                   doc_ids, key_valid)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
                    mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
-                   scale: float | None = None) -> Tensor:
+                   scale: float | None = None, doc_ids: Tensor | None = None, key_valid: Tensor | None = None) -> Tensor:
     """Like :func:`ring_attention_with_lse`, returning only the output."""
     out, _ = ring_attention_with_lse(q, k, v, group_or_mesh=group_or_mesh, causal=causal, mask=mask, layout=layout,
-                                     plan=plan, scale=scale)
+                                     plan=plan, scale=scale, doc_ids=doc_ids, key_valid=key_valid)
     return out

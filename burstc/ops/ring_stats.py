@@ -96,9 +96,12 @@ class CallRecorder:
         if self.enabled:
             self.stats.bytes_sent_per_step[step] += sum(t.numel() * t.element_size() for t in tensors)
 
-    def computed(self, step: int, block: "Block", batch: int, heads_q: int) -> None:
+    def computed(self, step: int, block: "Block", batch: int, heads_q: int, visible: int | None = None) -> None:
+        """``visible``: the block's visible entries summed over the batch, when runtime mask data
+        (documents, key padding) decide them; else the block's static count for every batch row."""
         if self.enabled:
-            self.stats.work_per_step[step] += batch * heads_q * block.score_entries
+            entries = batch * block.score_entries if visible is None else visible
+            self.stats.work_per_step[step] += heads_q * entries
 
     def publish(self) -> None:
         if self.enabled:
