@@ -247,7 +247,8 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
                    mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
-                   scale: float | None = None, doc_ids: Tensor | None = None, key_valid: Tensor | None = None) -> Tensor:
+                   scale: float | None = None, doc_ids: Tensor | None = None,
+                   key_valid: Tensor | None = None) -> Tensor:
     """Like :func:`ring_attention_with_lse`, returning only the output."""
     out, _ = ring_attention_with_lse(q, k, v, group_or_mesh=group_or_mesh, causal=causal, mask=mask, layout=layout,
                                      plan=plan, scale=scale, doc_ids=doc_ids, key_valid=key_valid)

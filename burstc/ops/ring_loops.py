@@ -86,9 +86,10 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
     found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, ring.size)
     if not found:
         return found
-    seq_len, device = local_len * ring.size, (data.doc_ids_BS if data.doc_ids_BS is not None else data.key_valid_BS).device
+    some_data_BS = data.doc_ids_BS if data.doc_ids_BS is not None else data.key_valid_BS
+    seq_len, device = local_len * ring.size, some_data_BS.device
     q_pos, kv_pos = (local_positions(seq_len, ring.size, owner, layout, device) for owner in (q_owner, kv_owner))
-    hidden_B = torch.zeros((), dtype=torch.bool, device=device)
+    hidden_B = torch.zeros(some_data_BS.shape[0], dtype=torch.bool, device=device)
     if mask.term(Documents) is not None:  # ids need not be sorted: disjoint [min, max] ranges never meet
         q_docs, kv_docs = data.doc_ids_BS[:, q_pos], data.doc_ids_BS[:, kv_pos]
         hidden_B = hidden_B | (q_docs.amax(1) < kv_docs.amin(1)) | (kv_docs.amax(1) < q_docs.amin(1))
@@ -144,7 +145,8 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
                                                         **data.kernel_args())
             _record(recorder, step, block, positions, mask, data, batch, heads_q)
             if mask.runtime_terms:
-                merge_attention_block_or_empty_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
+                rows = block.q_rows
+                merge_attention_block_or_empty_(out_acc[:, :, rows], lse_acc[:, :, rows], out_blk, lse_blk)
             elif out_acc is None:
                 # The first block (step 0, the own diagonal one) starts the accumulators: it must
                 # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
