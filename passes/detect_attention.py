@@ -6,11 +6,21 @@ On one device attention is left to Inductor.
 
 - SDPA calls: a mask that depends only on constants and module buffers (HF's mask built from
   ``arange`` comparisons when no attention_mask is passed, a ``tril`` buffer) is evaluated at
-  compile time and classified: *causal* (exactly lower-triangular) becomes ``is_causal=True``, *full*
-  (all visible) becomes no mask.  A mask that depends on the inputs, or any other pattern, is left
-  in place, and its match carries the refusal (code and reason); the shard pass then refuses the graph.
-- The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf)]) @ v`` (nanoGPT's
-  fallback) is replaced by the equivalent SDPA node.
+  compile time and turned into its exact :class:`MaskSpec` by ``passes/mask_classification.py``
+  (full, causal, ``Causal & SlidingWindow(w)``, a band ``SlidingWindow(l, r)``, ALiBi; bool masks and
+  additive float masks of 0 and ``-inf`` / ``finfo.min``).  Full and causal are folded into
+  ``is_causal`` / no mask; any other spec keeps its ``attn_mask`` on the node (so the node stays exact
+  when the shard pass refuses) and the match carries the spec.  A mask that depends on the inputs, or
+  anything else (a chunked mask, a bias), is left in place and its match carries the refusal (code and
+  reason); the shard pass then refuses the graph.
+- The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf or finfo.min)]) @ v``
+  (nanoGPT's fallback, HF's ``eager_attention_forward`` with its fp32 softmax, inactive dropout and
+  ``repeat_kv``) is replaced by the equivalent SDPA node (``attn_mask`` = the mask for a window or ALiBi).
+- Gemma-2's soft-capped scores (``c * tanh(s / c)``) have no SDPA normal form: the manual attention is
+  left as written and its match (``mask`` with :class:`SoftCap`) carries ``attention.score_mod``, so that
+  no graph ever loses the cap.
+
+Matches are keyed by their SDPA node (by the manual ``probs @ v`` node when left as written).
 
 Before::
 
