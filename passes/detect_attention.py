@@ -137,6 +137,9 @@ def _undo_repeat_kv(gm, node, fake_mode) -> bool:
     return True
 
 
+_FOLDED = "constant mask folded at compile time"
+
+
 def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
     """Classify SDPA's constant mask -> (how it was found, its exact MaskSpec, refusal).  Full and causal
     are folded into ``is_causal`` / no mask; any other static spec (a window, a band, ALiBi) keeps its
@@ -156,7 +159,7 @@ def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
     node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
     node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": spec.is_causal,
                    "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}
-    return "constant mask folded at compile time", spec, None
+    return _FOLDED, spec, None
 
 
 def _match_of(node: fx.Node, origin: str, refusal: Refusal | None, notes: tuple[str, ...], source: str,
@@ -226,6 +229,8 @@ def _match_manual(gm, out_node):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
     scale, mask, softcap = 1.0, None, None
     node = scores
+    if is_method(node, "float") or (is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))):
+        node = node.args[0]  # MPT's softmax(scores.float()): the same upcast as dtype=torch.float32
     while True:
         capped = _softcap_of(node) if softcap is None else None
         if capped is not None:
@@ -376,8 +381,8 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 unrepeated += 1
             match = _match_of(node, origin, refusal, notes, "sdpa", spec)
             context.facts.attention[node] = match
-            if origin or notes:
-                folded += bool(origin)
+            if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
+                folded += origin == _FOLDED
                 context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
                                                                  "notes": ", ".join(notes) or None})
             continue
@@ -387,7 +392,7 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             manual += 1
             unrepeated += bool(match.notes)
     if folded or manual or unrepeated:
-        context.note = (f"{folded} constant mask(s) classified (folded into is_causal / no mask when causal/full), "
+        context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
                         f"{manual} manual attention(s) canonicalized to SDPA, "
                         f"{unrepeated} repeat_kv undone (enable_gqa); the shard pass rewrites them")
     elif context.facts.attention:

@@ -95,6 +95,7 @@ def test_constant_bool_mask_becomes_its_exact_spec(build, expected):
     assert torch.equal(expected.visible(i, i), build().reshape(-1, S, S)[0])
     # full/causal fold into is_causal; other specs keep the mask on the node (exact if the shard pass refuses)
     assert (match.node.kwargs.get("attn_mask") is None) == expected.ring_supported
+    assert len(context.report.rewrites) == int(expected.ring_supported)  # a kept mask is no rewrite
     torch.testing.assert_close(got, want)
 
 
@@ -194,11 +195,23 @@ def test_hf_eager_pattern_becomes_sdpa(visible, expected):
     torch.testing.assert_close(got, want)
 
 
-def test_masked_fill_with_finfo_min_and_a_band():
+def test_hf_eager_pattern_in_bf16_matches_up_to_bf16_rounding():
+    # eager rounds the scores to bf16 before its fp32 softmax; SDPA keeps them in fp32: not bitwise
     def attention(q, k, v):
+        mask = torch.where(window_mask(S), torch.zeros((), dtype=torch.bfloat16),
+                           torch.finfo(torch.bfloat16).min)[None, None]
+        return eager_attention(q, k, v, mask)
+
+    context, got, want = _detect(attention, *(t.to(torch.bfloat16) for t in _qkv()))
+    assert _one_match(context).mask == MaskSpec.causal() and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_masked_fill_with_finfo_min_and_a_band():
+    def attention(q, k, v):  # MPT-style: masked_fill with finfo.min, softmax of the upcast scores
         att = (q @ k.transpose(-2, -1)) * 0.3
         att = att.masked_fill(~band_mask(1, 2), MIN)
-        return F.softmax(att, dim=-1) @ v
+        return F.softmax(att.float(), dim=-1).to(v.dtype) @ v
 
     context, got, want = _detect(attention, *_qkv())
     match = _one_match(context)
