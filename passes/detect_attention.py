@@ -249,9 +249,13 @@ def _match_manual(gm, out_node):
         elif is_method(node, "masked_fill") and mask is None and softcap is None and _fill_value_masks(node):
             mask = ("filled", node.args[1])
             node = node.args[0]
+            if scale != 1.0:
+                return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
         elif is_function(node, operator.add) and mask is None and softcap is None and isinstance(node.args[1], fx.Node):
             mask = ("additive", node.args[1])
             node = node.args[0]
+            if scale != 1.0:
+                return None
         else:
             break
     if not (is_function(node, *_MATMUL) and len(node.args) == 2):

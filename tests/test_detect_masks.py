@@ -288,6 +288,15 @@ def test_alibi_bias_given_to_sdpa_is_kept_on_the_node():
     torch.testing.assert_close(got, want)
 
 
+def test_scores_scaled_after_the_bias_are_left_alone():
+    def attention(q, k, v):  # the bias is scaled with the scores: SDPA would add it unscaled
+        return torch.softmax((q @ k.transpose(-2, -1) + alibi_bias()) * 0.5, dim=-1) @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    assert context.facts.attention == {} and context.report.rewrites == []
+    torch.testing.assert_close(got, want)
+
+
 def test_bias_not_linear_in_distance_is_refused():
     def attention(q, k, v):
         i, j = _positions()
