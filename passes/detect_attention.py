@@ -229,7 +229,8 @@ def _match_manual(gm, out_node):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
     scale, mask, softcap = 1.0, None, None
     node = scores
-    if is_method(node, "float") or (is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))):
+    upcast = is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))
+    if upcast or is_method(node, "float"):
         node = node.args[0]  # MPT's softmax(scores.float()): the same upcast as dtype=torch.float32
     while True:
         capped = _softcap_of(node) if softcap is None else None
