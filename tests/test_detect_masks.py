@@ -347,3 +347,19 @@ def test_hf_models_yield_one_match_per_layer(config_name, impl, overrides, expec
         assert all(m.refusal is None and m.shardable == expected.ring_supported for m in matches)
         assert all(m.node.target is SDPA and m.kv_heads == 2 and m.heads_q == 4 for m in matches)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_falcon_alibi_is_detected_per_layer(impl):
+    from burstc.testing.zoo import hf_arch_inputs
+
+    model = _hf("FalconConfig", impl, alibi=True, new_decoder_architecture=False, num_kv_heads=4)
+    context, got, want = _detect(lambda ids: model(input_ids=ids, use_cache=False).logits, hf_arch_inputs())
+    matches = list(context.facts.attention.values())
+    assert len(matches) == model.config.num_hidden_layers
+    # Falcon's slopes 2^-2, 2^-4, ... with the 1/sqrt(head_dim) it applies to the biased scores folded in
+    slopes = [2.0 ** (-2 * (h + 1)) * 8 ** -0.5 for h in range(4)]
+    for m in matches:
+        assert m.mask.terms == (Causal(),) and m.refusal is None and m.node.target is SDPA
+        assert m.mask.term(Alibi).slopes == pytest.approx(slopes, rel=1e-5)
+    torch.testing.assert_close(got, want)
