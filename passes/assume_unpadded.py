@@ -4,8 +4,8 @@ HF models are usually called with the tokenizer's ``attention_mask``; in a train
 padding it is all ones, and then the mask HF builds from it (``causal & attention_mask[b, kv]``)
 is plain causal.  But it is an *input*, so at compile time the mask depends on runtime values and
 the shard pass would have to refuse the graph.  This pass (mesh > 1 only) finds the integer/bool
-graph inputs that attention masks depend on, and if every such mask is causal or full when those
-inputs are all ones, it substitutes ``torch.ones`` for them in the graph: detect_attention then
+graph inputs that attention masks depend on, and if every such mask is one the ring op executes
+(``MaskSpec.ring_supported``: causal or full today) when those inputs are all ones, it substitutes ``torch.ones`` for them in the graph: detect_attention then
 folds the masks into ``is_causal`` and the shard pass can lower the graph.  Every other reader of
 the input (OPT's ``cumsum`` positions, say) sees the same ones, which is exact whenever the input
 really is all ones.
