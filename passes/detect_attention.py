@@ -17,8 +17,9 @@ On one device attention is left to Inductor.
   (nanoGPT's fallback, HF's ``eager_attention_forward`` with its fp32 softmax, inactive dropout and
   ``repeat_kv``) is replaced by the equivalent SDPA node (``attn_mask`` = the mask for a window or ALiBi).
 - Gemma-2's soft-capped scores (``c * tanh(s / c)``) have no SDPA normal form: the manual attention is
-  left as written and its match (``mask`` with :class:`SoftCap`) carries ``attention.score_mod``, so that
-  no graph ever loses the cap.
+  left as written (no graph ever loses the cap) and its match, keyed by ``probs @ v``, carries the mask
+  with the :class:`SoftCap`; the shard pass replaces the whole manual attention by the ring op
+  (:func:`manual_interior` lists the nodes that then die).
 
 Matches are keyed by their SDPA node (by the manual ``probs @ v`` node when left as written).
 
@@ -35,6 +36,7 @@ After::
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -63,6 +65,46 @@ def sdpa_kwargs(node: fx.Node) -> dict:
     kwargs.setdefault("scale", None)
     kwargs.setdefault("enable_gqa", False)
     return kwargs
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The operands of one attention as the graph holds them now: an SDPA node's arguments, or a manual
+    attention's (from its match); ``attn_mask`` is the mask an SDPA node keeps (None for manual ones)."""
+
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    scale: float | None
+    dropout_p: float
+    attn_mask: fx.Node | None
+
+
+def attention_call(node: fx.Node, match: AttentionMatch | None) -> AttentionCall:
+    if is_function(node, SDPA):
+        kw = sdpa_kwargs(node)
+        return AttentionCall(kw["query"], kw["key"], kw["value"], kw["scale"], kw["dropout_p"], kw["attn_mask"])
+    if match is None:
+        raise ValueError(f"`{node.name}` is neither an SDPA call nor a recorded manual attention")
+    return AttentionCall(match.query, match.key, match.value, match.scale, 0.0, None)
+
+
+def manual_interior(match: AttentionMatch) -> set[fx.Node] | None:
+    """The nodes of a manual attention left as written (scores, soft-cap, mask add, softmax, casts) strictly
+    between its q/k/v and its output ``probs @ v``: what replacing the output by one op makes dead.  None
+    when one of them is used outside the attention (e.g. the probabilities returned): then it can't be replaced."""
+    output = match.node
+    upstream = set(ancestors(output))
+    interior, stack = set(), [match.query, match.key, match.value]
+    while stack:
+        for user in stack.pop().users:
+            if user is not output and user in upstream and user not in interior:
+                interior.add(user)
+                stack.append(user)
+    interior -= {match.query, match.key, match.value}
+    if any(u not in interior and u is not output for n in interior for u in n.users):
+        return None
+    return interior
 
 
 def _heads(node) -> int | None:
@@ -346,12 +388,10 @@ def _detect_manual(gm, node, found, context, fake_mode) -> AttentionMatch | None
             return None
     if found["softcap"] is not None:
         # SDPA can't express a score mod: dropping the cap would be wrong wherever the shard pass
-        # refuses the graph, so the manual nodes stay as written and the match carries the refusal
+        # refuses the graph, so the manual nodes stay as written; the match (on ``probs @ v``) carries
+        # the SoftCap, and the shard pass replaces the whole manual attention by the ring op
         spec = spec & SoftCap(found["softcap"])
-        refusal = Refusal(CODES.score_mod, f"soft-capped scores ({spec.term(SoftCap).encode()}): no SDPA normal "
-                                           "form, the manual attention is left as written")
-        context.facts.attention[node] = _manual_match(node, found, spec, refusal)
-        context.skip(KIND, node, refusal.reason, code=refusal.code)
+        context.facts.attention[node] = _manual_match(node, found, spec, None)
         return None
     mask_kwargs, refusal = _manual_sdpa_mask(gm, node, found, spec, fake_mode)
     if refusal is not None:

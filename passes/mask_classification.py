@@ -32,7 +32,6 @@ CODES = register_codes("attention", {
                  "a bias, not a mask",
     "mask_dense": "a dense mask that is not exactly full, causal, a sliding window or a band",
     "mask_dtype": "an additive mask whose dtype differs from the scores': SDPA can't take it as attn_mask",
-    "score_mod": "a score modification (soft-capping) on a manual attention: no SDPA normal form, left as written",
 })
 
 

@@ -94,8 +94,9 @@ def test_constant_bool_mask_becomes_its_exact_spec(build, expected):
     i = torch.arange(S)
     assert torch.equal(expected.visible(i, i), build().reshape(-1, S, S)[0])
     # full/causal fold into is_causal; other specs keep the mask on the node (exact if the shard pass refuses)
-    assert (match.node.kwargs.get("attn_mask") is None) == expected.ring_supported
-    assert len(context.report.rewrites) == int(expected.ring_supported)  # a kept mask is no rewrite
+    folds = expected.is_full or expected.is_causal
+    assert (match.node.kwargs.get("attn_mask") is None) == folds
+    assert len(context.report.rewrites) == int(folds)  # a kept mask is no rewrite
     torch.testing.assert_close(got, want)
 
 
@@ -237,9 +238,15 @@ def test_soft_cap_is_recorded_and_the_manual_attention_left_as_written():
     context, got, want = _detect(softcapped, *_qkv())
     match = _one_match(context)
     assert match.mask == MaskSpec.causal() & SoftCap(5.0)
-    # no SDPA can drop the cap: the graph keeps the manual ops, the match carries the refusal
-    assert match.refusal.code == "attention.score_mod" and not match.shardable
+    # no SDPA can drop the cap: the graph keeps the manual ops (exact if the shard pass refuses), the match
+    # (on `probs @ v`) carries the SoftCap for the ring op, which replaces the whole attention
+    assert match.refusal is None and match.shardable
     assert match.node.target is torch.matmul and context.report.rewrites == []
+    from burstc.passes.detect_attention import manual_interior
+
+    interior = manual_interior(match)
+    assert interior and any(n.target is torch.tanh for n in interior)
+    assert match.query not in interior and match.node not in interior
     torch.testing.assert_close(got, want)
 
 
@@ -341,8 +348,8 @@ def test_hf_models_yield_one_match_per_layer(config_name, impl, overrides, expec
     matches = list(context.facts.attention.values())
     assert len(matches) == model.config.num_hidden_layers
     assert all(m.mask == expected for m in matches), [str(m.mask) for m in matches]
-    if expected.term(SoftCap):
-        assert all(m.refusal.code == "attention.score_mod" for m in matches)
+    if expected.term(SoftCap):  # left as written, replaced whole by the ring op when sharded
+        assert all(m.refusal is None and m.shardable and m.node.target is torch.matmul for m in matches)
     else:
         assert all(m.refusal is None and m.shardable == expected.ring_supported for m in matches)
         assert all(m.node.target is SDPA and m.kv_heads == 2 and m.heads_q == 4 for m in matches)
