@@ -318,9 +318,11 @@ class AttentionMatch:
     """One attention in the graph, in SDPA normal form.
 
     ``node`` is the ``F.scaled_dot_product_attention`` node that computes it after detection (a manual
-    ``softmax(q kᵀ) v`` is replaced by one); ``query``/``key``/``value`` are its ``[B, H, S, D]`` inputs
-    (K/V with ``kv_heads`` heads, never repeated when detection could undo a ``repeat_kv``); ``scale``
-    ``None`` means ``D ** -0.5``.  ``refusal`` (a :class:`burstc.refusals.Refusal`) is set when the
+    ``softmax(q kᵀ) v`` is replaced by one; one SDPA can't express, soft-capped, stays as written and is
+    recorded on its ``probs @ v`` node with a refusal).  A spec other than full/causal keeps the constant
+    ``attn_mask`` on the node, which computes exactly ``mask``.  ``query``/``key``/``value`` are its
+    ``[B, H, S, D]`` inputs (K/V with ``kv_heads`` heads, never repeated when detection could undo a
+    ``repeat_kv``); ``scale`` ``None`` means ``D ** -0.5``.  ``refusal`` (a :class:`burstc.refusals.Refusal`) is set when the
     attention can't be sharded (its mask is not understood), with the reason; ``notes`` say what
     detection did (a constant mask folded, ``repeat_kv`` undone) for the report.
     """

@@ -4,8 +4,8 @@ HF models are usually called with the tokenizer's ``attention_mask``; in a train
 padding it is all ones, and then the mask HF builds from it (``causal & attention_mask[b, kv]``)
 is plain causal.  But it is an *input*, so at compile time the mask depends on runtime values and
 the shard pass would have to refuse the graph.  This pass (mesh > 1 only) finds the integer/bool
-graph inputs that attention masks depend on, and if every such mask is causal or full when those
-inputs are all ones, it substitutes ``torch.ones`` for them in the graph: detect_attention then
+graph inputs that attention masks depend on, and if every such mask is one the ring op executes
+(``MaskSpec.ring_supported``: causal or full today) when those inputs are all ones, it substitutes ``torch.ones`` for them in the graph: detect_attention then
 folds the masks into ``is_causal`` and the shard pass can lower the graph.  Every other reader of
 the input (OPT's ``cumsum`` positions, say) sees the same ones, which is exact whenever the input
 really is all ones.
@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from burstc.passes.detect_attention import attention_masks, classify_mask
+from burstc.passes.detect_attention import attention_masks
+from burstc.passes.mask_classification import classify_mask
 from burstc.refusals import register_codes
 from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_code, evaluate_constant,
                                        fake_mode_of, placeholder_example, placeholder_kind, set_meta, val)
@@ -83,7 +84,7 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         return gm
     masks = attention_masks(gm)
     runtime_masks, candidates, reported = [], {}, set()
-    for reader, mask_node, to_visible in masks:
+    for reader, mask_node, style in masks:
         try:
             evaluate_constant(gm, mask_node, at=reader)
             continue  # constant already: detect_attention folds it
@@ -98,7 +99,7 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 context.skip(KIND, reader, f"mask depends on runtime values that can't be assumed all ones ({why})",
                              code=CODES.not_assumable)
             continue
-        runtime_masks.append((reader, mask_node, to_visible))
+        runtime_masks.append((reader, mask_node, style))
         for n in inputs:
             candidates[n] = candidates.get(n, 0) + 1  # how many masks read it
     if not candidates:
@@ -108,13 +109,14 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
 
     fake_mode = fake_mode_of(gm)
     substitutes = {p: _substitute_ones(gm, p, fake_mode) for p in candidates}
-    verdicts = [classify_mask(gm, mask_node, to_visible, reader) for reader, mask_node, to_visible in runtime_masks]
-    if any(kind not in ("causal", "full") for kind, _ in verdicts):
+    verdicts = [classify_mask(gm, mask_node, style, reader) for reader, mask_node, style in runtime_masks]
+    # specialize only where it pays for its per-call check: masks the ring op executes (full, causal today)
+    if any(spec is None or not spec.ring_supported for spec, _ in verdicts):
         for placeholder, ones in substitutes.items():  # undo: assuming ones would not make them causal
             ones.replace_all_uses_with(placeholder)
             gm.graph.erase_node(ones)
-        reasons = sorted({refusal.reason if refusal else kind for kind, refusal in verdicts
-                          if kind not in ("causal", "full")})
+        reasons = sorted({refusal.reason if refusal else f"{spec.kind}, which the ring op does not execute"
+                          for spec, refusal in verdicts if spec is None or not spec.ring_supported})
         for placeholder in candidates:
             context.skip(KIND, placeholder, "the attention mask is not causal even when this input is all ones "
                                             f"({'; '.join(reasons)})", code=CODES.not_causal_when_ones)

@@ -6,11 +6,22 @@ On one device attention is left to Inductor.
 
 - SDPA calls: a mask that depends only on constants and module buffers (HF's mask built from
   ``arange`` comparisons when no attention_mask is passed, a ``tril`` buffer) is evaluated at
-  compile time and classified: *causal* (exactly lower-triangular) becomes ``is_causal=True``, *full*
-  (all visible) becomes no mask.  A mask that depends on the inputs, or any other pattern, is left
-  in place, and its match carries the refusal (code and reason); the shard pass then refuses the graph.
-- The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf)]) @ v`` (nanoGPT's
-  fallback) is replaced by the equivalent SDPA node.
+  compile time and turned into its exact :class:`MaskSpec` by ``passes/mask_classification.py``
+  (full, causal, ``Causal & SlidingWindow(w)``, a band ``SlidingWindow(l, r)``, ALiBi; bool masks and
+  additive float masks of 0 and ``-inf`` / ``finfo.min``).  Full and causal are folded into
+  ``is_causal`` / no mask; any other spec keeps its ``attn_mask`` on the node (so the node stays exact
+  when the shard pass refuses) and the match carries the spec.  A mask that depends on the inputs, or
+  anything else (a chunked mask, a bias), is left in place and its match carries the refusal (code and
+  reason); the shard pass then refuses the graph.
+- The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf or finfo.min)]) @ v``
+  (nanoGPT's fallback, HF's ``eager_attention_forward`` with its fp32 softmax, inactive dropout and
+  ``repeat_kv``) is replaced by the equivalent SDPA node (``attn_mask`` = the mask for a window or ALiBi).
+- Gemma-2's soft-capped scores (``c * tanh(s / c)``) have no SDPA normal form: the manual attention is
+  left as written (no graph ever loses the cap) and its match, keyed by ``probs @ v``, carries the mask
+  with the :class:`SoftCap`; the shard pass replaces the whole manual attention by the ring op
+  (:func:`manual_interior` lists the nodes that then die).
+
+Matches are keyed by their SDPA node (by the manual ``probs @ v`` node when left as written).
 
 Before::
 
@@ -25,28 +36,24 @@ After::
 from __future__ import annotations
 
 import operator
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from burstc.attention_ir import AttentionMatch, MaskSpec
-from burstc.passes.graph_utils import (NotConstant, ancestors, const_number, eliminate_dead_code, evaluate_constant,
-                                       fake_mode_of, is_function, is_method, set_meta, val)
-from burstc.refusals import Refusal, register_codes
+from burstc.attention_ir import AttentionMatch, MaskSpec, SoftCap
+from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
+                                       is_function, is_method, set_meta, val)
+from burstc.passes.mask_classification import CODES, classify_mask  # noqa: F401  (CODES: the attention.* codes)
+from burstc.refusals import Refusal
 
 KIND = "attention"
-CODES = register_codes("attention", {
-    "mask_runtime": "the mask depends on runtime values (inputs), not only on constants and buffers",
-    "mask_not_tensor": "the mask is not a tensor",
-    "mask_bias": "an additive mask with values other than 0 / -inf: a bias, not a mask",
-    "mask_dense": "a dense mask that is neither causal nor full",
-})
 SDPA = F.scaled_dot_product_attention
 _SOFTMAX = (torch.softmax, F.softmax)
 _MATMUL = (operator.matmul, torch.matmul)
+_TANH = (torch.tanh, F.tanh)
 
 
 def sdpa_kwargs(node: fx.Node) -> dict:
@@ -60,39 +67,49 @@ def sdpa_kwargs(node: fx.Node) -> dict:
     return kwargs
 
 
-def classify_visibility(visible: torch.Tensor) -> str:
-    """``visible[..., Sq, Skv]`` (True = may attend) -> ``"causal"``, ``"full"`` or ``"other"``."""
-    visible = visible.to(torch.bool)
-    sq, skv = visible.shape[-2:]
-    if bool(visible.all()):
-        return "full"
-    if sq == skv:
-        causal = torch.ones(sq, skv, dtype=torch.bool, device=visible.device).tril()
-        if bool((visible == causal).all()):
-            return "causal"
-    return "other"
+@dataclass(frozen=True)
+class AttentionCall:
+    """The operands of one attention as the graph holds them now: an SDPA node's arguments, or a manual
+    attention's (from its match); ``attn_mask`` is the mask an SDPA node keeps (None for manual ones)."""
+
+    query: fx.Node
+    key: fx.Node
+    value: fx.Node
+    scale: float | None
+    dropout_p: float
+    attn_mask: fx.Node | None
 
 
-def _visible_from_sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask > float("-inf")
+def attention_call(node: fx.Node, match: AttentionMatch | None) -> AttentionCall:
+    if is_function(node, SDPA):
+        kw = sdpa_kwargs(node)
+        return AttentionCall(kw["query"], kw["key"], kw["value"], kw["scale"], kw["dropout_p"], kw["attn_mask"])
+    if match is None:
+        raise ValueError(f"`{node.name}` is neither an SDPA call nor a recorded manual attention")
+    return AttentionCall(match.query, match.key, match.value, match.scale, 0.0, None)
 
 
-def classify_mask(gm, mask_node, to_visible, consumer) -> tuple[str, Refusal | None]:
-    """-> (kind, refusal): kind in causal/full/other/unknown, for the mask as ``consumer`` reads it; the
-    refusal (code and reason) is ``None`` for causal and full."""
-    try:
-        mask = evaluate_constant(gm, mask_node, at=consumer)
-    except NotConstant as why:
-        return "unknown", Refusal(CODES.mask_runtime, f"mask depends on runtime values ({why})")
-    if not isinstance(mask, torch.Tensor):
-        return "unknown", Refusal(CODES.mask_not_tensor, "mask is not a tensor")
-    if mask.is_floating_point():
-        finite = mask[mask > float("-inf")]
-        if finite.numel() and bool((finite != 0).any()):
-            return "other", Refusal(CODES.mask_bias,
-                                    "additive mask with values other than 0 / -inf (a bias, not a mask)")
-    kind = classify_visibility(to_visible(mask))
-    return kind, None if kind != "other" else Refusal(CODES.mask_dense, "dense mask that is neither causal nor full")
+def manual_interior(match: AttentionMatch) -> set[fx.Node] | None:
+    """The nodes of a manual attention left as written (scores, soft-cap, mask add, softmax, casts) strictly
+    between its q/k/v and its output ``probs @ v``: what replacing the output by one op makes dead.  None
+    when one of them is used outside the attention (e.g. the probabilities returned): then it can't be replaced."""
+    output = match.node
+    upstream = set(ancestors(output))
+    interior, stack = set(), [match.query, match.key, match.value]
+    while stack:
+        for user in stack.pop().users:
+            if user is not output and user in upstream and user not in interior:
+                interior.add(user)
+                stack.append(user)
+    interior -= {match.query, match.key, match.value}
+    if any(u not in interior and u is not output for n in interior for u in n.users):
+        return None
+    return interior
+
+
+def _heads(node) -> int | None:
+    v = val(node)
+    return v.shape[1] if v is not None and v.dim() == 4 else None
 
 
 _LAYOUT_METHODS = ("transpose", "contiguous", "permute")
@@ -162,38 +179,44 @@ def _undo_repeat_kv(gm, node, fake_mode) -> bool:
     return True
 
 
-def _canonicalize_sdpa(gm, node) -> tuple[str, Refusal | None]:
-    """Fold a constant causal/full mask into ``is_causal`` -> (how the mask was found, refusal or None)."""
+_FOLDED = "constant mask folded at compile time"
+
+
+def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
+    """Classify SDPA's constant mask -> (how it was found, its exact MaskSpec, refusal).  Full and causal
+    are folded into ``is_causal`` / no mask; any other static spec (a window, a band, ALiBi) keeps its
+    ``attn_mask`` so that the node stays exact however the shard pass decides."""
     kwargs = sdpa_kwargs(node)
     mask = kwargs["attn_mask"]
     if mask is None or kwargs["is_causal"]:  # SDPA itself rejects mask + is_causal
-        return "", None
+        return "", None, None
     if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
             and not val(mask).is_floating_point():
-        return "", None  # an integer mask SDPA would reject: left for eager to raise
-    kind, refusal = classify_mask(gm, mask, _visible_from_sdpa_mask, node)
+        return "", None, None  # an integer mask SDPA would reject: left for eager to raise
+    spec, refusal = classify_mask(gm, mask, "visible", node, heads=_heads(kwargs["query"]))
     if refusal is not None:
-        return "", refusal
+        return "", None, refusal
+    if not (spec.is_full or spec.is_causal):
+        return "constant mask recognized, kept as attn_mask", spec, None
     node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
-    node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": kind == "causal",
+    node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": spec.is_causal,
                    "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}
-    return "constant mask folded at compile time", None
+    return _FOLDED, spec, None
 
 
-def _match_of(node: fx.Node, origin: str, refusal: Refusal | None, notes: tuple[str, ...], source: str
-              ) -> AttentionMatch:
-    """The attention record of SDPA ``node`` (in normal form unless ``refusal``)."""
+def _match_of(node: fx.Node, origin: str, refusal: Refusal | None, notes: tuple[str, ...], source: str,
+              spec: MaskSpec | None = None) -> AttentionMatch:
+    """The attention record of SDPA ``node``: ``spec`` is its exact mask when detection classified one
+    (then an ``attn_mask`` left on the node computes exactly that spec)."""
     kwargs = sdpa_kwargs(node)
     q, k = kwargs["query"], kwargs["key"]
-    q_val, k_val = val(q), val(k)
-    mask = MaskSpec.causal() if kwargs["is_causal"] else MaskSpec.full()
-    if kwargs["attn_mask"] is not None and refusal is None:
-        refusal = Refusal(CODES.mask_dense, "an attention mask")  # one this pass did not classify
+    if spec is None:
+        spec = MaskSpec.causal() if kwargs["is_causal"] else MaskSpec.full()
+        if kwargs["attn_mask"] is not None and refusal is None:
+            refusal = Refusal(CODES.mask_dense, "an attention mask")  # one this pass did not classify
     return AttentionMatch(
-        node=node, query=q, key=k, value=kwargs["value"], mask=mask, scale=kwargs["scale"],
-        heads_q=q_val.shape[1] if q_val is not None and q_val.dim() == 4 else None,
-        kv_heads=k_val.shape[1] if k_val is not None and k_val.dim() == 4 else None,
-        source=source, mask_origin=origin, notes=notes, refusal=refusal)
+        node=node, query=q, key=k, value=kwargs["value"], mask=spec, scale=kwargs["scale"],
+        heads_q=_heads(q), kv_heads=_heads(k), source=source, mask_origin=origin, notes=notes, refusal=refusal)
 
 
 def _transposed_key(node):
@@ -208,25 +231,56 @@ def _transposed_key(node):
     return None
 
 
+def _softcap_of(node):
+    """``(x / c).tanh() * c`` (Gemma-2) -> (x, c), else None."""
+    for c, t in ((node.args[1], node.args[0]), (node.args[0], node.args[1])) if is_function(node, operator.mul) else ():
+        if const_number(c) is None or not (is_function(t, *_TANH) or is_method(t, "tanh")):
+            continue
+        inner = t.args[0]
+        if is_function(inner, operator.truediv) and inner.args[1] == c and c > 0 and len(t.users) == 1:
+            return inner.args[0], float(c)
+    return None
+
+
+def _fill_value_masks(node) -> bool:
+    """``masked_fill``'s value hides a score: ``-inf`` or ``<= finfo(scores).min / 2`` (HF's ``finfo.min``)."""
+    value, scores = const_number(node.args[2]), val(node.args[0])
+    if value is None or scores is None or not scores.is_floating_point():
+        return False
+    return value == float("-inf") or value <= torch.finfo(scores.dtype).min / 2
+
+
 def _match_manual(gm, out_node):
-    """``out_node = softmax(...) @ v`` -> dict(q, k, v, scale, mask_node, mask_kind, nodes) or None."""
+    """``out_node = softmax(...) @ v`` -> dict(q, k, v, scale, mask, softcap, softmax) or None.
+
+    Accepts HF's ``eager_attention_forward``: ``softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)`` and
+    an inactive dropout.  For fp32 models that is exactly SDPA; for bf16/fp16 the eager scores are rounded
+    to bf16 before the fp32 softmax and SDPA keeps them in fp32 inside the kernel: the same math, equal up to
+    bf16 rounding (not bitwise), as for every SDPA backend."""
     if not (is_function(out_node, *_MATMUL) and len(out_node.args) == 2):
         return None
     probs, v = out_node.args
     while is_method(probs, "to", "type_as", "float") or (is_function(probs, F.dropout) and not _dropout_active(probs)):
         probs = probs.args[0]
-    if is_function(probs, *_SOFTMAX):
-        scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
-    elif is_method(probs, "softmax"):
+    if is_function(probs, *_SOFTMAX) or is_method(probs, "softmax"):
         scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
     else:
         return None
-    if dim not in (-1, 3) or len(probs.users) != 1:
-        return None
-    scale, mask = 1.0, None
+    dtype = probs.kwargs.get("dtype", probs.args[2] if len(probs.args) > 2 else None)
+    if dim not in (-1, 3) or len(probs.users) != 1 or dtype not in (None, torch.float32, torch.float64):
+        return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
+    scale, mask, softcap = 1.0, None, None
     node = scores
+    upcast = is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))
+    if upcast or is_method(node, "float"):
+        node = node.args[0]  # MPT's softmax(scores.float()): the same upcast as dtype=torch.float32
     while True:
-        if is_function(node, operator.mul) and const_number(node.args[1]) is not None:
+        capped = _softcap_of(node) if softcap is None else None
+        if capped is not None:
+            if scale != 1.0:
+                return None  # a scale applied after the cap: not c * tanh(s / c) on the scaled scores
+            node, softcap = capped
+        elif is_function(node, operator.mul) and const_number(node.args[1]) is not None:
             scale *= node.args[1]
             node = node.args[0]
         elif is_function(node, operator.mul) and const_number(node.args[0]) is not None:
@@ -235,12 +289,16 @@ def _match_manual(gm, out_node):
         elif is_function(node, operator.truediv) and const_number(node.args[1]) is not None:
             scale /= node.args[1]
             node = node.args[0]
-        elif is_method(node, "masked_fill") and mask is None and node.args[2] == float("-inf"):
-            mask = ("masked_fill", node.args[1])
+        elif is_method(node, "masked_fill") and mask is None and softcap is None and _fill_value_masks(node):
+            mask = ("filled", node.args[1])
             node = node.args[0]
-        elif is_function(node, operator.add) and mask is None and isinstance(node.args[1], fx.Node):
+            if scale != 1.0:
+                return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
+        elif is_function(node, operator.add) and mask is None and softcap is None and isinstance(node.args[1], fx.Node):
             mask = ("additive", node.args[1])
             node = node.args[0]
+            if scale != 1.0:
+                return None
         else:
             break
     if not (is_function(node, *_MATMUL) and len(node.args) == 2):
@@ -249,32 +307,29 @@ def _match_manual(gm, out_node):
     k = _transposed_key(kt)
     if k is None or any(val(t) is None or val(t).dim() != 4 for t in (q, k, v)):
         return None
-    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softmax=probs)
+    if len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
+        return None  # SDPA returns q's dtype: only when the manual attention does too
+    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs)
 
 
 def _manual_mask(gm, out_node, match):
-    """-> (reader, mask_node, to_visible) for a matched manual attention with a mask."""
+    """-> (reader, mask_node, style) for a matched manual attention with a mask."""
     style, mask_node = match["mask"]
-    to_visible = _visible_from_filled if style == "masked_fill" else _visible_from_sdpa_mask
     on_path = set(ancestors(out_node))
     reader = next((n for n in gm.graph.nodes if n in mask_node.users and n in on_path), out_node)
-    return reader, mask_node, to_visible
+    return reader, mask_node, style
 
 
-def _visible_from_filled(mask: torch.Tensor) -> torch.Tensor:
-    return ~mask.to(torch.bool)
-
-
-def attention_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, Callable]]:
-    """``(reader, mask_node, to_visible)`` for every mask an attention reads: SDPA's ``attn_mask``
-    and the manual pattern's additive or ``masked_fill`` mask.  ``to_visible(value)`` maps the
-    mask's value to a bool tensor, True where a query may attend to a key."""
+def attention_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, str]]:
+    """``(reader, mask_node, style)`` for every mask an attention reads: SDPA's ``attn_mask``
+    (``"visible"``) and the manual pattern's ``"additive"`` or ``"filled"`` (masked_fill) mask;
+    ``mask_classification.classify_mask`` reads the mask in that style."""
     found = []
     for node in gm.graph.nodes:
         if is_function(node, SDPA):
             kwargs = sdpa_kwargs(node)
             if isinstance(kwargs["attn_mask"], fx.Node) and not kwargs["is_causal"]:
-                found.append((node, kwargs["attn_mask"], _visible_from_sdpa_mask))
+                found.append((node, kwargs["attn_mask"], "visible"))
             continue
         match = _match_manual(gm, node)
         if match is not None and match["mask"] is not None:
@@ -288,51 +343,104 @@ def _dropout_active(node):
     return bool(training) and p > 0
 
 
+def _written_between(gm, mask_node, start, end) -> bool:
+    """Is ``mask_node`` (or an alias) written in place between nodes ``start`` and ``end``?"""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return any(position[start] <= position[op] < position[end] and mask_node in aliases
+               for op, aliases in in_place_writes(gm.graph))
+
+
+def _manual_sdpa_mask(gm, node, found, spec, fake_mode):
+    """-> (SDPA keyword arguments computing ``spec`` exactly, refusal or None) for a manual attention."""
+    if spec.is_full or spec.is_causal:
+        return {"is_causal": spec.is_causal}, None
+    reader, mask_node, style = _manual_mask(gm, node, found)
+    if _written_between(gm, mask_node, reader, node):
+        return None, Refusal(CODES.mask_dense, "the mask is written in place between its use and the attention")
+    if style == "additive":  # SDPA adds a float attn_mask to the scaled scores, as the manual graph did
+        if val(mask_node).dtype != val(found["q"]).dtype:
+            return None, Refusal(CODES.mask_dtype, f"the additive mask is {val(mask_node).dtype}, "
+                                                   f"the scores {val(found['q']).dtype}")
+        return {"attn_mask": mask_node}, None
+    with gm.graph.inserting_before(node):  # masked_fill hides True: SDPA's bool mask shows True
+        shown = gm.graph.call_function(torch.logical_not, (mask_node,))
+    set_meta(shown, torch.logical_not, (mask_node,), {}, fake_mode)
+    return {"attn_mask": shown}, None
+
+
+def _manual_match(node, found, spec, refusal) -> AttentionMatch:
+    """The record of a manual attention left as written (``node`` is its ``probs @ v``)."""
+    q, k = found["q"], found["k"]
+    return AttentionMatch(node=node, query=q, key=k, value=found["v"], mask=spec or MaskSpec.full(),
+                          scale=float(found["scale"]), heads_q=_heads(q), kv_heads=_heads(k), source="manual",
+                          mask_origin="manual softmax attention left as written", refusal=refusal)
+
+
+def _detect_manual(gm, node, found, context, fake_mode) -> AttentionMatch | None:
+    """Record the manual attention ``node``; when exact, canonicalize it to SDPA -> the SDPA's match or None."""
+    spec = MaskSpec.full()
+    if found["mask"] is not None:
+        reader, mask_node, style = _manual_mask(gm, node, found)
+        spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]))
+        if refusal is not None:
+            context.facts.attention[node] = _manual_match(node, found, None, refusal)
+            context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
+            return None
+    if found["softcap"] is not None:
+        # SDPA can't express a score mod: dropping the cap would be wrong wherever the shard pass
+        # refuses the graph, so the manual nodes stay as written; the match (on ``probs @ v``) carries
+        # the SoftCap, and the shard pass replaces the whole manual attention by the ring op
+        spec = spec & SoftCap(found["softcap"])
+        context.facts.attention[node] = _manual_match(node, found, spec, None)
+        return None
+    mask_kwargs, refusal = _manual_sdpa_mask(gm, node, found, spec, fake_mode)
+    if refusal is not None:
+        context.facts.attention[node] = _manual_match(node, found, spec, refusal)
+        context.skip(KIND, node, f"manual attention: {refusal.reason}", code=refusal.code)
+        return None
+    with gm.graph.inserting_before(node):
+        kwargs = {**mask_kwargs, "scale": float(found["scale"])}
+        args = (found["q"], found["k"], found["v"])
+        sdpa = gm.graph.call_function(SDPA, args, kwargs)
+        set_meta(sdpa, SDPA, args, kwargs, fake_mode)
+    sdpa.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    node.replace_all_uses_with(sdpa)
+    gm.graph.erase_node(node)
+    notes = ("repeat_kv undone: kv heads travel unrepeated",) if _undo_repeat_kv(gm, sdpa, fake_mode) else ()
+    match = _match_of(sdpa, "manual softmax attention canonicalized", None, notes, "manual", spec)
+    context.facts.attention[sdpa] = match
+    context.rewrite("attention_normal_form", sdpa, {"mask": match.mask_description, "source": "manual",
+                                                     "notes": ", ".join(notes) or None})
+    return match
+
+
 def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     folded = manual = unrepeated = 0
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
-            origin, refusal = _canonicalize_sdpa(gm, node)
+            origin, spec, refusal = _canonicalize_sdpa(gm, node)
             notes = ()
             if _undo_repeat_kv(gm, node, fake_mode):
                 notes = ("repeat_kv undone: kv heads travel unrepeated",)
                 unrepeated += 1
-            match = _match_of(node, origin, refusal, notes, "sdpa")
+            match = _match_of(node, origin, refusal, notes, "sdpa", spec)
             context.facts.attention[node] = match
-            if origin or notes:
-                folded += bool(origin)
+            if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
+                folded += origin == _FOLDED
                 context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
                                                                  "notes": ", ".join(notes) or None})
             continue
         found = _match_manual(gm, node)
-        if found is None:
-            continue
-        is_causal = False
-        if found["mask"] is not None:
-            reader, mask_node, to_visible = _manual_mask(gm, node, found)
-            kind, refusal = classify_mask(gm, mask_node, to_visible, reader)
-            if refusal is not None:
-                context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
-                continue
-            is_causal = kind == "causal"
-        with gm.graph.inserting_before(node):
-            kwargs = {"is_causal": is_causal, "scale": float(found["scale"])}
-            args = (found["q"], found["k"], found["v"])
-            sdpa = gm.graph.call_function(SDPA, args, kwargs)
-            set_meta(sdpa, SDPA, args, kwargs, fake_mode)
-        sdpa.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-        node.replace_all_uses_with(sdpa)
-        gm.graph.erase_node(node)
-        match = _match_of(sdpa, "manual softmax attention canonicalized", None, (), "manual")
-        context.facts.attention[sdpa] = match
-        context.rewrite("attention_normal_form", sdpa, {"mask": match.mask_description, "source": "manual"})
-        manual += 1
+        match = _detect_manual(gm, node, found, context, fake_mode) if found is not None else None
+        if match is not None:
+            manual += 1
+            unrepeated += bool(match.notes)
     if folded or manual or unrepeated:
         context.note = (f"{folded} constant mask(s) folded into is_causal / no mask, "
                         f"{manual} manual attention(s) canonicalized to SDPA, "
                         f"{unrepeated} repeat_kv undone (enable_gqa); the shard pass rewrites them")
     elif context.facts.attention:
-        context.note = f"{len(context.facts.attention)} attention(s) already in normal form"
+        context.note = f"{len(context.facts.attention)} attention(s) recorded, none rewritten"
     eliminate_dead_code(gm.graph)
     return gm

@@ -34,11 +34,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Causal, MaskSpec
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
-from burstc.passes.detect_attention import sdpa_kwargs
+from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
     placeholder_kind, val
 from burstc.refusals import Refused
@@ -79,19 +79,20 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
     from burstc.planner import plan_attention, predicted_work
 
     for node in plan.attention:
-        kw = sdpa_kwargs(node)
         match = context.facts.attention.get(node)
-        q, k, v = kw["query"], kw["key"], kw["value"]
+        call = attention_call(node, match)
+        q, k, v = call.query, call.key, call.value
         B, Hq, _, D = val(q).shape
         Hkv = val(k).shape[1]
-        scale = kw["scale"] if kw["scale"] is not None else D ** -0.5
+        scale = call.scale if call.scale is not None else D ** -0.5
         choice = plan_attention(B, analyzer.padded_len, analyzer.P, Hq, Hkv, D, val(q).dtype)
-        mask = match.mask if match is not None else (MaskSpec.causal() if kw["is_causal"] else MaskSpec.full())
+        mask = _mask_of(node, match)
         balance = predicted_work(layout, mask, analyzer.padded_len, analyzer.P)
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
         per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
-        # the attention IR's mask is what the op executes (the normal form's is_causal says the same)
-        assert mask.is_causal == bool(kw["is_causal"]) and mask.ring_supported, (mask, kw["is_causal"])
+        # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
+        # attention's insides (a soft-cap) become dead with the node
+        assert mask.ring_supported, mask
         with graph.inserting_before(node):
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name))
@@ -100,9 +101,9 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         context.rewrite("attention", out, {
-            "plan": plan_name, "layout": layout, "causal": bool(kw["is_causal"]), "world_size": analyzer.P,
+            "plan": plan_name, "layout": layout, "causal": mask.term(Causal) is not None, "world_size": analyzer.P,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
-            "mask": match.mask_description if match else ("is_causal" if kw["is_causal"] else "none"),
+            "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
             "predicted_bytes": dict(per_step),
             "planner_choice": choice.plan,
@@ -224,6 +225,10 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     padded_len = -(-seq_len // multiple) * multiple
     analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)
     analyzer.attention_matches = context.facts.attention
+    for match in context.facts.attention.values():
+        if match.source == "manual" and match.shardable and not is_function(match.node, SDPA):
+            # a manual attention left as written: its insides are replaced with it, not sharded one by one
+            analyzer.skip_nodes |= manual_interior(match) or set()
     try:
         plan = analyzer.run()
     except Refused as refusal:
@@ -236,7 +241,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                                  f"({type(error).__name__}: {error}); the whole graph runs unsharded "
                                  "(replicated on every rank) - please report this", code=CODES.analysis_failed)
         return gm
-    if padded_len != seq_len and not all(sdpa_kwargs(n)["is_causal"] for n in plan.attention):
+    if padded_len != seq_len and not all(_mask_of(n, context.facts.attention.get(n)).term(Causal) is not None
+                                         for n in plan.attention):
         # padding at the end is exact only when no real token can see a pad: causal attention
         raise ValueError(
             f"burstc: sequence length {seq_len} is not a multiple of {multiple}, which layout "
@@ -268,3 +274,10 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         plans=tuple(r.details.get("plan") for r in context.report.rewrites
                     if r.graph_id == context.graph_id and r.kind == "attention"))
     return gm
+
+
+def _mask_of(node: fx.Node, match) -> MaskSpec:
+    """The MaskSpec the ring op executes for attention ``node``: its match's, or SDPA's own is_causal."""
+    if match is not None:
+        return match.mask
+    return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled

@@ -21,9 +21,9 @@ SHARDED = [
     "Ministral3Config", "NanoChatConfig",
     # logits scaled between the head and the loss (fused with the scale)
     "CohereConfig", "Cohere2Config", "GraniteConfig",
+    "Gemma2Config",  # eager attention with soft-capped scores: the ring op applies the soft-cap
 ]
 REFUSED = [
-    "Gemma2Config",  # eager attention with soft-capped scores
     # mixture-of-experts routing (top-k over experts, then data-dependent token dispatch)
     "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "MiniMaxConfig",
     "FlexOlmoConfig", "Glm4MoeConfig", "Llama4TextConfig",

@@ -60,6 +60,7 @@ class Analyzer:
         self.mutated = mutated_values(gm.graph)
         self.current = None  # the node being analyzed (named if the analysis fails)
         self.attention_matches = {}  # SDPA node -> AttentionMatch (detect_attention's facts)
+        self.skip_nodes = set()  # insides of manual attentions the rewrite replaces whole (dead afterwards)
 
     # -- what the rules ask ----------------------------------------------------------------------
     def place(self, a) -> Placement:
@@ -125,6 +126,8 @@ class Analyzer:
     def run(self) -> Plan:
         for node in self.gm.graph.nodes:
             self.current = node
+            if node in self.skip_nodes:
+                continue
             if node.op == "placeholder" or node.op == "get_attr":
                 self.plan.placement[node] = REPLICATE
             elif node.op in ("call_function", "call_method"):

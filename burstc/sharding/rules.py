@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
-from burstc.passes.detect_attention import SDPA, sdpa_kwargs
+from burstc.passes.detect_attention import SDPA, attention_call, sdpa_kwargs
 from burstc.passes.graph_utils import is_function, is_method, is_mutating, normalized_kwargs, op_name, prod, val
 from burstc.refusals import Refused
 from burstc.sharding.codes import CODES
@@ -173,17 +173,27 @@ def cross_entropy(analyzer, node):
     return REPLICATE  # the per-token losses are gathered: the loss is replicated
 
 
-@rule("attention", on_functions(SDPA))
+@rule("attention", lambda analyzer, node: is_function(node, SDPA) or node in analyzer.attention_matches)
 def attention(analyzer, node):
-    """Causal SDPA on sharded [B, H, S, D] operands: becomes ring attention in the rewrite."""
-    kw = sdpa_kwargs(node)
-    q, k, v = kw["query"], kw["key"], kw["value"]
+    """Attention on sharded [B, H, S, D] operands whose mask the ring executes (detect_attention's match
+    says which: an SDPA node, or a manual attention left as written, e.g. soft-capped): becomes ring
+    attention in the rewrite."""
     match = analyzer.attention_matches.get(node)  # detect_attention's AttentionMatch, when it ran
-    if kw["attn_mask"] is not None or (match is not None and not match.shardable):
-        reason = match.refusal.reason if match is not None and match.refusal else "an attention mask"
+    call = attention_call(node, match)
+    q, k, v = call.query, call.key, call.value
+    if match is not None and not match.shardable:
+        reason = match.refusal.reason if match.refusal else f"a {match.mask.kind} mask"
         raise Refused(CODES.attention_mask,
                       f"attention with {reason} (masks are not supported by the ring op yet)", node)
-    if kw["dropout_p"]:
+    if match is not None and match.mask.runtime_sources:
+        # the op executes documents / key padding from their data, which this pass does not feed it yet
+        raise Refused(CODES.attention_mask, f"attention with a {match.mask.kind} mask: its runtime data "
+                                            f"({', '.join(match.mask.runtime_sources)}) are not fed to the ring "
+                                            "op yet", node)
+    if match is None and call.attn_mask is not None:
+        raise Refused(CODES.attention_mask,
+                      "attention with an attention mask (masks are not supported by the ring op yet)", node)
+    if call.dropout_p:
         raise Refused(CODES.dropout_in_training, "attention dropout > 0", node)
     for t in (q, k, v):
         if not is_sharded(analyzer.place(t)):

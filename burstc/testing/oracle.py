@@ -184,6 +184,7 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
         "rewrites": [(r.kind, r.details.get("plan")) for r in report.rewrites],
         "skipped": [(s.kind, s.reason) for s in report.skipped],
         "skip_codes": [s.code for s in report.skipped],
+        "attention_masks": [r.details.get("mask") for r in report.rewrites if r.kind == "attention"],
         "report": str(report),
     }
 

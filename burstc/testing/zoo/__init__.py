@@ -40,6 +40,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_default,
     hf_arch,
     hf_arch_checkpointed,
+    hf_arch_variant,
     hf_arch_inputs,
     hf_arch_batch_inputs,
     hf_inputs_single_sequence,

@@ -59,6 +59,23 @@ def hf_arch(config_name: str):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
 
 
+def hf_arch_variant(config_name: str, attn_implementation: str = "sdpa", **overrides):
+    """hf_arch with another attention implementation and config overrides (a sliding window, ALiBi, ...)."""
+    import inspect
+
+    import transformers
+
+    torch.manual_seed(0)
+    cls = getattr(transformers, config_name)
+    params = inspect.signature(cls.__init__).parameters
+    kw = dict(_HF_SPECIAL.get(config_name) or {k: v for k, v in _HF_TINY.items() if k in params})
+    config = cls(**{**kw, **overrides})
+    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, attr):
+            setattr(config, attr, 0.0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
 def hf_arch_checkpointed(config_name: str):
     """hf_arch with HF's gradient checkpointing on, in training mode (where HF checkpoints; dropout is off)."""
     model = hf_arch(config_name)

@@ -1,0 +1,65 @@
+"""Masks beyond causal, sharded end to end on 2 gloo ranks: HF sliding windows shorter than the sequence (sdpa
+and eager), HF eager attention (finfo.min masks), Gemma-2 as shipped (eager, soft-capped scores, alternating
+windows), Falcon's ALiBi: loss and every parameter gradient equal single-device eager, and the report names the
+mask each ring attention executes."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from burstc.testing import assert_equivalent, zoo  # noqa: E402
+
+S = 32  # hf_arch_inputs: 1 x 32 tokens; windows of 8 are shorter than a 16-token shard
+
+
+CASES = {
+    "mistral_window_sdpa": ("MistralConfig", "sdpa", {"sliding_window": 8}, {"causal&window(7,-)"}),
+    "mistral_window_eager": ("MistralConfig", "eager", {"sliding_window": 8}, {"causal&window(7,-)"}),
+    "qwen2_window_sdpa": ("Qwen2Config", "sdpa", {"sliding_window": 8, "use_sliding_window": True,
+                                                  "max_window_layers": 0}, {"causal&window(7,-)"}),
+    "llama_eager": ("LlamaConfig", "eager", {}, {"causal"}),
+    # Gemma-2 as shipped: eager, scores soft-capped at 50, sliding and global layers alternating
+    "gemma2_softcap_alternating": ("Gemma2Config", "eager", {"sliding_window": 8},
+                                   {"causal&window(7,-)&softcap(50.0)", "causal&softcap(50.0)"}),
+    "gemma3_window_sdpa": ("Gemma3TextConfig", "sdpa", {"sliding_window": 8,
+                                                        "layer_types": ["sliding_attention", "full_attention"]},
+                           {"causal&window(7,-)", "causal"}),
+    "falcon_alibi": ("FalconConfig", "sdpa", {"alibi": True, "new_decoder_architecture": False,
+                                              "num_kv_heads": 4}, None),
+}
+
+
+def _executed_masks(described: list[str]) -> set[str]:
+    """The MaskSpec encoding of every ring attention (its ``mask`` detail: encoding, then how it was found)."""
+    return {"causal" if d == "is_causal" else d.split(" ")[0] for d in described}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mask_is_sharded_and_exact(workers, case):
+    config_name, impl, overrides, expected_masks = CASES[case]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers has no {config_name}")
+    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, config_name, impl, **overrides),
+                                zoo.hf_arch_inputs, zoo.hf_loss_no_cache, world_size=2, group=workers.get(2),
+                                backend="aot_eager", expect_sharded=True, timeout=300)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("attention") == 2 and "shard" in kinds, results[0]["skipped"]
+    masks = results[0]["attention_masks"]
+    if expected_masks is not None:
+        assert _executed_masks(masks) == expected_masks, masks
+    else:  # ALiBi: the slopes are the model's
+        assert all(m.startswith("causal&alibi(") for m in masks), masks
+
+
+@pytest.mark.parametrize("layout,attention_plan", [("striped", "burst"), ("contiguous", "kv_ring")])
+def test_windows_and_soft_cap_on_four_ranks(workers, layout, attention_plan):
+    # Gemma-2 as shipped on 4 ranks (8 tokens each, the window 8 spans two shards), the other layouts and plans
+    config_name, impl, overrides, expected_masks = CASES["gemma2_softcap_alternating"]
+    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, config_name, impl, **overrides),
+                                zoo.hf_arch_inputs, zoo.hf_loss_no_cache, world_size=4, group=workers.get(4),
+                                backend="aot_eager", expect_sharded=True, timeout=300, layout=layout,
+                                attention_plan=attention_plan)
+    assert _executed_masks(results[0]["attention_masks"]) == expected_masks
