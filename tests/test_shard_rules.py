@@ -231,6 +231,21 @@ def test_attention_with_a_mask_is_refused():
     assert why.reason == "attention with an attention mask (masks are not supported by the ring op yet)"
 
 
+def test_attention_whose_mask_needs_runtime_data_is_refused():
+    """A match with a Documents / KeyPadding term: the op could run it, but the pass does not feed its data yet."""
+    from burstc.attention_ir import AttentionMatch, Documents, MaskSpec
+
+    analyzer = analyzer_for(lambda ids, t: F.scaled_dot_product_attention(heads(ids, t), heads(ids, t),
+                                                                          heads(ids, t), is_causal=True),
+                            tokens(), TABLE)
+    sdpa = node_of(analyzer, F.scaled_dot_product_attention)
+    q, k, v = sdpa.args[:3]
+    analyzer.attention_matches = {sdpa: AttentionMatch(sdpa, q, k, v, MaskSpec.causal() & Documents("position_ids"))}
+    with pytest.raises(Refused) as caught:
+        analyzer.run()
+    assert caught.value.code == CODES.attention_mask and "position_ids" in caught.value.reason
+
+
 def test_attention_on_a_replicated_operand_is_refused():
     value = torch.randn(B, 2, S, H // 2)
     why = refusal(lambda ids, t, v: F.scaled_dot_product_attention(heads(ids, t), heads(ids, t), v, is_causal=True),
