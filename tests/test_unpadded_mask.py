@@ -110,14 +110,15 @@ def test_padded_first_call_is_not_specialized(workers):
     assert codes == ["unpadded_mask.not_assumable"], results[0]["skipped"]
 
 
-def test_mask_that_stays_non_causal_is_not_specialized(workers):
-    # a sliding window narrower than the sequence: all-ones padding does not make it causal
+def test_windowed_mask_of_an_all_ones_input_is_specialized_and_sharded(workers):
+    # a sliding window narrower than the sequence: with the input all ones the mask is causal & window,
+    # which the ring executes (a mask that stays outside what the ring executes is refused with
+    # unpadded_mask.not_causal_when_ones: tests/test_detect_masks.py's near misses)
     results = assert_equivalent(zoo.windowed_hf_llama, zoo.hf_inputs, zoo.hf_loss_with_attention_mask,
-                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False)
+                                world_size=2, group=workers.get(2), backend="aot_eager")
     kinds = [k for k, _ in results[0]["rewrites"]]
-    assert "unpadded_mask" not in kinds and "shard" not in kinds
-    codes = [c for c in results[0]["skip_codes"] if c.startswith("unpadded_mask.")]
-    assert codes and set(codes) == {"unpadded_mask.not_causal_when_ones"}, results[0]["skipped"]
+    assert "unpadded_mask" in kinds and "shard" in kinds
+    assert {m.split(" ")[0] for m in results[0]["attention_masks"]} == {"causal&window(7,-)"}
 
 
 def test_refused_graph_keeps_the_real_reason(workers):
