@@ -113,7 +113,7 @@ def test_padded_first_call_is_not_specialized(workers):
 def test_windowed_mask_of_an_all_ones_input_is_specialized_and_sharded(workers):
     # a sliding window narrower than the sequence: with the input all ones the mask is causal & window,
     # which the ring executes (a mask that stays outside what the ring executes is refused with
-    # unpadded_mask.not_causal_when_ones: tests/test_detect_masks.py's near misses)
+    # unpadded_mask.not_causal_when_ones: test_mask_outside_what_the_ring_executes_is_not_specialized)
     results = assert_equivalent(zoo.windowed_hf_llama, zoo.hf_inputs, zoo.hf_loss_with_attention_mask,
                                 world_size=2, group=workers.get(2), backend="aot_eager")
     kinds = [k for k, _ in results[0]["rewrites"]]
@@ -143,3 +143,33 @@ def test_single_device_leaves_masks_alone():
     assert torch.allclose(loss, zoo.hf_loss_with_attention_mask(model, ids), rtol=1e-6)
     runs = [p for p in burstc.report(cmodel).passes if p.name == "assume_unpadded"]
     assert runs and all(p.rewrites == 0 and "single device" in p.note for p in runs)
+
+
+def test_mask_outside_what_the_ring_executes_is_not_specialized():
+    """A mask built from an all-ones-able input that is still no MaskSpec with the input all ones (here
+    block-diagonal chunks): assume_unpadded refuses with its code and leaves the graph alone (one process)."""
+    import torch.nn.functional as F
+
+    from burstc.config import BurstConfig
+    from burstc.pass_context import PassContext
+    from burstc.passes.assume_unpadded import assume_unpadded
+    from burstc.report import Report
+    from burstc.testing.graphs import dynamo_graph
+
+    def chunked_attention(q, k, v, attention_mask):
+        i = torch.arange(q.shape[-2])
+        chunks = (i[:, None] // 4) == (i[None, :] // 4)
+        allowed = chunks[None, None] & attention_mask.bool()[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+
+    def run_pass(gm, example_inputs):
+        context = PassContext(report=Report(BurstConfig(), world_size=2), graph_id=0, world_size=2,
+                              example_inputs=example_inputs)
+        context.start_pass("assume_unpadded")
+        assume_unpadded(gm, config=BurstConfig(), context=context)
+        return context
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    gm, context = dynamo_graph(chunked_attention, q, k, v, torch.ones(1, 16, dtype=torch.long), inside=run_pass)
+    assert [s.code for s in context.report.skipped] == ["unpadded_mask.not_causal_when_ones"]
+    assert context.facts.all_ones_inputs == () and context.report.rewrites == []
