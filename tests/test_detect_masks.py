@@ -320,16 +320,10 @@ def test_bias_not_linear_in_distance_is_refused():
 
 
 def _hf(config_name, impl, **overrides):
-    import inspect
+    pytest.importorskip("transformers")
+    from burstc.testing.zoo import hf_arch_variant
 
-    transformers = pytest.importorskip("transformers")
-    from burstc.testing.zoo.hf import _HF_TINY
-
-    torch.manual_seed(0)
-    cls = getattr(transformers, config_name)
-    params = inspect.signature(cls.__init__).parameters
-    config = cls(**{**{k: v for k, v in _HF_TINY.items() if k in params}, **overrides})
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    return hf_arch_variant(config_name, impl, **overrides)
 
 
 @pytest.mark.parametrize("config_name, impl, overrides, expected", [

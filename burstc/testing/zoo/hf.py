@@ -43,20 +43,8 @@ _HF_SPECIAL = {
 def hf_arch(config_name: str):
     """A tiny random-init HF causal LM of the given architecture (eval mode, dropout off): the config's
     own defaults with the tiny sizes above wherever its constructor takes them."""
-    import inspect
-
-    import transformers
-
-    torch.manual_seed(0)
-    cls = getattr(transformers, config_name)
-    params = inspect.signature(cls.__init__).parameters
-    kw = _HF_SPECIAL.get(config_name) or {k: v for k, v in _HF_TINY.items() if k in params}
-    config = cls(**kw)
-    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, attr):
-            setattr(config, attr, 0.0)
     impl = "eager" if config_name == "Gemma2Config" else "sdpa"   # Gemma-2 has no SDPA path
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    return hf_arch_variant(config_name, impl)
 
 
 def hf_arch_variant(config_name: str, attn_implementation: str = "sdpa", **overrides):
