@@ -356,3 +356,11 @@ class AttentionMatch:
     @property
     def shardable(self) -> bool:
         return self.refusal is None and self.mask.ring_supported
+
+
+def document_ids_from_positions(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Document id of every token of packed sequences (int64 ``[B, S]``, from 0): a document starts where the
+    position ids do not step by one from the previous token (HF's packed-sequence convention,
+    ``DataCollatorWithFlattening``: each document's positions restart at 0)."""
+    previous = torch.cat([position_ids_BS[..., :1] - 1, position_ids_BS[..., :-1]], dim=-1)
+    return torch.cumsum((position_ids_BS - previous != 1).to(torch.int64), dim=-1)

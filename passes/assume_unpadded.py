@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from burstc.passes.detect_attention import attention_masks
-from burstc.passes.mask_classification import classify_mask
+from burstc.passes.mask_classification import classify_mask, classify_runtime_mask
 from burstc.refusals import register_codes
 from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_code, evaluate_constant,
                                        fake_mode_of, placeholder_example, placeholder_kind, set_meta, val)
@@ -105,6 +105,13 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if not candidates:
         if not masks:
             context.note = "no attention mask found"
+        return gm
+    # masks recognized as runtime data (key padding, packed documents) need no specialization: the ring op
+    # takes this call's values, so one graph serves padded and unpadded batches alike
+    as_data = [classify_runtime_mask(gm, mask_node, style, reader) for reader, mask_node, style in runtime_masks]
+    if all(spec is not None and spec.ring_supported for spec in as_data):
+        context.note = (f"{len(runtime_masks)} mask(s) built from the inputs are runtime data for the ring op "
+                        f"({', '.join(sorted({spec.kind for spec in as_data}))}): nothing to specialize")
         return gm
 
     fake_mode = fake_mode_of(gm)

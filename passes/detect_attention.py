@@ -197,7 +197,9 @@ def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
     if refusal is not None:
         return "", None, refusal
     if not (spec.is_full or spec.is_causal):
-        return "constant mask recognized, kept as attn_mask", spec, None
+        origin = "built from the inputs, runtime data for the op" if spec.runtime_sources else \
+            "constant mask recognized, kept as attn_mask"
+        return origin, spec, None
     node.args = (kwargs["query"], kwargs["key"], kwargs["value"])
     node.kwargs = {"attn_mask": None, "dropout_p": kwargs["dropout_p"], "is_causal": spec.is_causal,
                    "scale": kwargs["scale"], "enable_gqa": kwargs["enable_gqa"]}

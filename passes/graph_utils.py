@@ -178,7 +178,8 @@ class NotConstant(Exception):
     pass
 
 
-def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28, at: fx.Node | None = None):
+def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28, at: fx.Node | None = None,
+                      inputs: dict | None = None):
     """Evaluate ``node`` with real tensors if it depends only on constants and module buffers
     (never on the caller's inputs or on parameters); raises :class:`NotConstant` otherwise.
 
@@ -187,7 +188,9 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
     graph order, e.g. HF's mask built by ``torch.full`` then edited with ``triu_`` / ``&=``.
 
     Buffers are read at compile time: a mask kept in a buffer (nanoGPT's ``tril``) is assumed not
-    to change between calls."""
+    to change between calls.  ``inputs`` maps placeholders to values to evaluate with (probing a mask
+    that depends on the caller's inputs)."""
+    inputs = inputs or {}
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     cutoff = position[at if at is not None else node]
     writes = [(op, aliases) for op, aliases in in_place_writes(gm.graph) if position[op] < cutoff]
@@ -202,6 +205,9 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
     order = [n for n in gm.graph.nodes if n in needed]
     env = {}
     for n in order:
+        if n in inputs:
+            env[n] = inputs[n]
+            continue
         if n.op == "placeholder":
             if placeholder_kind(n) != "buffer":
                 raise NotConstant(f"depends on the {placeholder_kind(n)} `{n.name}`")

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from burstc.attention_ir import Alibi, Causal, MaskSpec, SlidingWindow
-from burstc.passes.graph_utils import NotConstant, evaluate_constant
+import itertools
+
+from burstc.attention_ir import Alibi, Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, \
+    document_ids_from_positions
+from burstc.passes.graph_utils import NotConstant, ancestors, evaluate_constant, placeholder_kind, val
 from burstc.refusals import Refusal, register_codes
 
 CODES = register_codes("attention", {
@@ -138,5 +141,123 @@ def classify_mask(gm, mask_node, style: str, consumer, *, heads: int | None = No
     try:
         mask = evaluate_constant(gm, mask_node, at=consumer)
     except NotConstant as why:
+        runtime = classify_runtime_mask(gm, mask_node, style, consumer)
+        if runtime is not None:
+            return runtime, None
         return None, Refusal(CODES.mask_runtime, f"mask depends on runtime values ({why})")
     return spec_of_value(mask, style, heads=heads)
+
+
+# -- masks built from the caller's token inputs: packed documents, padding ---------------------------------
+#
+# HF builds them at run time from ``position_ids`` (a document starts where the positions do not step by one)
+# and from ``attention_mask`` (key padding).  Such a mask is recognized by probing: the mask subgraph is
+# evaluated on a set of inputs (one document, random packings with documents of length 1, right/left padding,
+# holes) and must equal, for every probe, ``static & Documents(positions) & KeyPadding(padding)`` with the
+# documents and validity burstc computes from the same inputs at run time.  Any mismatch: refused.
+
+_PROBE_SEED = 20261205
+
+
+def _probe_positions(batch: int, seq: int, gen: torch.Generator) -> list[torch.Tensor]:
+    probes = [torch.arange(seq).expand(batch, seq).clone()]
+    for max_len in (1, 3, max(2, seq // 3)):
+        rows = []
+        for _ in range(batch):
+            lengths, left = [], seq
+            while left:
+                lengths.append(min(left, int(torch.randint(1, max_len + 1, (), generator=gen))))
+                left -= lengths[-1]
+            rows.append(torch.cat([torch.arange(n) for n in lengths]))
+        probes.append(torch.stack(rows))
+    return probes
+
+
+def _probe_padding(batch: int, seq: int, gen: torch.Generator) -> list[torch.Tensor]:
+    ones = torch.ones(batch, seq, dtype=torch.int64)
+    right, left, holes = ones.clone(), ones.clone(), (torch.rand(batch, seq, generator=gen) < 0.7).to(torch.int64)
+    for b in range(batch):
+        n = int(torch.randint(1, seq, (), generator=gen))
+        right[b, seq - n:] = 0
+        left[b, :n] = 0
+    holes[:, 0] = 1
+    return [ones, right, left, holes]
+
+
+def _visibility(value, style: str) -> torch.Tensor | None:
+    """A mask value read in ``style`` -> bool visibility, or None for a bias."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.is_floating_point() and style in ("visible", "additive"):
+        hidden = value <= torch.finfo(value.dtype).min / 2
+        return ~hidden if bool((value[~hidden] == 0).all()) else None
+    if value.dtype == torch.bool:
+        return value if style == "visible" else (~value if style == "filled" else None)
+    return None
+
+
+def classify_runtime_mask(gm, mask_node, style: str, consumer) -> MaskSpec | None:
+    """A mask built from at most one positions input and one padding input (integer/bool ``[B, S]``
+    placeholders) and constants -> ``static & Documents(...) & KeyPadding(...)`` when every probe agrees,
+    else None."""
+    needed = ancestors(mask_node)
+    inputs = [n for n in needed if n.op == "placeholder" and placeholder_kind(n) == "input"]
+    if not inputs or len(inputs) > 2:
+        return None
+    if any(n.op == "placeholder" and placeholder_kind(n) not in ("input", "buffer") for n in needed):
+        return None  # reads parameters: not a mask of the inputs alone
+    shapes = {tuple(val(n).shape) if isinstance(val(n), torch.Tensor) else None for n in inputs}
+    if len(shapes) != 1 or None in shapes or len(next(iter(shapes))) != 2:
+        return None
+    batch, seq = next(iter(shapes))
+    if any(val(n).is_floating_point() or val(n).is_complex() for n in inputs):
+        return None
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    for roles in itertools.permutations(("positions", "padding"), len(inputs)):
+        role_of = dict(zip(inputs, roles))
+        spec = _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen) -> MaskSpec | None:
+    positions = next((n for n, r in role_of.items() if r == "positions"), None)
+    padding = next((n for n, r in role_of.items() if r == "padding"), None)
+    pos_probes = _probe_positions(batch, seq, gen) if positions is not None else [None]
+    pad_probes = _probe_padding(batch, seq, gen) if padding is not None else [None]
+
+    def evaluate(pos, pad):
+        values = {}
+        if positions is not None:
+            values[positions] = pos.to(val(positions).dtype)
+        if padding is not None:
+            values[padding] = pad.to(val(padding).dtype)
+        try:
+            return _visibility(evaluate_constant(gm, mask_node, at=consumer, inputs=values), style)
+        except Exception:  # noqa: BLE001 - a probe the subgraph can't take: not recognized
+            return None
+
+    neutral = evaluate(pos_probes[0], pad_probes[0])
+    static = spec_of_visibility(neutral) if neutral is not None else None
+    if static is None or static.score_mods:
+        return None
+    spec = static
+    if positions is not None:
+        spec = spec & Documents(positions.name)
+    if padding is not None:
+        spec = spec & KeyPadding(padding.name)
+    arange = torch.arange(seq)
+    for pos, pad in itertools.product(pos_probes, pad_probes):
+        got = evaluate(pos, pad)
+        if got is None or got.dim() < 3 or got.shape[-2:] != (seq, seq):
+            return None
+        docs = document_ids_from_positions(pos) if pos is not None else None
+        valid = pad.ne(0) if pad is not None else None
+        want = spec.visible(arange, arange, q_docs=docs, kv_docs=docs,
+                            kv_valid=valid)
+        want = want.reshape(want.shape[0] if want.dim() == 3 else 1, 1, seq, seq)
+        got = got.reshape(-1, *got.shape[-3:]) if got.dim() >= 4 else got.reshape(-1, 1, seq, seq)
+        if got.shape[0] not in (1, batch) or not bool((got == want.expand(batch, 1, seq, seq)).all()):
+            return None
+    return spec

@@ -34,13 +34,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.attention_ir import Causal, MaskSpec
+from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids_from_positions
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
-    placeholder_kind, val
+    placeholder_kind, set_meta, val
 from burstc.refusals import Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
@@ -78,6 +78,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
 
     from burstc.planner import plan_attention, predicted_work
 
+    runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     for node in plan.attention:
         match = context.facts.attention.get(node)
         call = attention_call(node, match)
@@ -87,15 +88,18 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         scale = call.scale if call.scale is not None else D ** -0.5
         choice = plan_attention(B, analyzer.padded_len, analyzer.P, Hq, Hkv, D, val(q).dtype)
         mask = _mask_of(node, match)
-        balance = predicted_work(layout, mask, analyzer.padded_len, analyzer.P)
+        # runtime terms hide more: the static part's work bounds it
+        balance = predicted_work(layout, mask.static_part, analyzer.padded_len, analyzer.P)
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
         per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
+            doc_ids, key_valid = _runtime_mask_data(graph, mask, fake_mode_of(gm), runtime_data)
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
-                                       (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name))
+                                       (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name,
+                                        doc_ids, key_valid))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
@@ -281,3 +285,21 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     if match is not None:
         return match.mask
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
+
+
+def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, fake_mode, cache: dict):
+    """``(doc_ids, key_valid)`` graph values for the mask's runtime terms (None where it has none), computed
+    from the replicated token inputs they name: every rank holds the whole batch's, so no communication."""
+    inputs = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+
+    def value(kind, source, fn, extra):
+        if (kind, source) not in cache:
+            args = (inputs[source], *extra)
+            cache[kind, source] = graph.call_function(fn, args)
+            set_meta(cache[kind, source], fn, args, {}, fake_mode)
+        return cache[kind, source]
+
+    documents, padding = mask.term(Documents), mask.term(KeyPadding)
+    doc_ids = value("doc_ids", documents.source, document_ids_from_positions, ()) if documents else None
+    key_valid = value("key_valid", padding.source, torch.ne, (0,)) if padding else None
+    return doc_ids, key_valid

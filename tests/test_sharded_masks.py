@@ -5,6 +5,7 @@ mask each ring attention executes."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -63,3 +64,23 @@ def test_windows_and_soft_cap_on_four_ranks(workers, layout, attention_plan):
                                 backend="aot_eager", expect_sharded=True, timeout=300, layout=layout,
                                 attention_plan=attention_plan)
     assert _executed_masks(results[0]["attention_masks"]) == expected_masks
+
+
+RUNTIME_CASES = {
+    # packed documents: HF builds the document mask from the restarting position ids at run time
+    "packed_position_ids": (zoo.hf_loss_packed, {"causal&documents"}),
+    # padded batches (batch 2): right padding as the Trainer's collator pads, left padding as generation does
+    "right_padded": (zoo.hf_loss_with_padding, {"causal&key_padding"}),
+    "left_padded": (zoo.hf_loss_left_padded, {"causal&key_padding"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUNTIME_CASES))
+def test_runtime_mask_is_sharded_and_exact(workers, case):
+    """Masks whose values change every batch are graph inputs: the ring op gets this call's document ids /
+    key validity, computed from the replicated token inputs (no all-ones guard, no unsharded fallback)."""
+    loss_fn, expected = RUNTIME_CASES[case]
+    results = assert_equivalent(zoo.hf_llama, zoo.hf_inputs, loss_fn, world_size=2, group=workers.get(2),
+                                backend="aot_eager", expect_sharded=True, timeout=300)
+    masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
+    assert masks == expected, results[0]["attention_masks"]

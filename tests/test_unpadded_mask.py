@@ -1,5 +1,7 @@
-"""HF models called with the tokenizer's ``attention_mask``: an all-ones mask is specialized (behind a
-runtime check) so the graph is sharded; a padded batch runs an unsharded graph, exact either way."""
+"""Models called with the tokenizer's ``attention_mask``.  HF's padding masks are recognized as key padding,
+runtime data for the ring op: padded and unpadded batches share one sharded graph.  A mask burstc does not
+take as data but that is causal when the input is all ones is specialized behind a runtime check, and a
+padded batch runs an unsharded graph compiled for it; exact either way."""
 import functools
 import gc
 import warnings
@@ -20,7 +22,9 @@ def test_all_ones_attention_mask_is_sharded(workers, config_name):
                                 zoo.hf_loss_with_attention_mask, world_size=2, group=workers.get(2),
                                 backend="aot_eager")
     kinds = [k for k, _ in results[0]["rewrites"]]
-    assert kinds.count("unpadded_mask") == 1 and "shard" in kinds and "attention" in kinds
+    # the mask is key padding from the attention_mask: data for the op, no specialization
+    assert "unpadded_mask" not in kinds and "shard" in kinds and kinds.count("attention") == 2
+    assert all(m.startswith("causal&key_padding(") for m in results[0]["attention_masks"])
 
 
 def _padded(ids, row, keep):
@@ -48,13 +52,13 @@ def _batches(masks, fresh):
         gc.collect()
 
 
-def mixed_batches_task(rank, world_size, backend, fresh=False):
-    """All-ones, padded, all-ones again: every call equals eager; the padded one runs the fallback."""
+def mixed_batches_task(rank, world_size, backend, fresh=False, model_name="hf_llama"):
+    """All-ones, padded, all-ones again, padded: every call equals eager."""
     import burstc
     from torch.distributed.device_mesh import init_device_mesh
 
     torch._dynamo.reset()
-    model = zoo.hf_llama()
+    model = getattr(zoo, model_name)()
     ids = zoo.hf_inputs()
     cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend=backend)
     masks = [torch.ones_like(ids), _padded(ids, 1, 20), torch.ones_like(ids), _padded(ids, 0, 7)]
@@ -80,19 +84,35 @@ def mixed_batches_task(rank, world_size, backend, fresh=False):
                 skipped=[(s.kind, s.reason) for s in report.skipped])
 
 
-@pytest.mark.parametrize("backend,fresh", [("aot_eager", False), ("aot_eager", True),
-                                           pytest.param("inductor", False, marks=pytest.mark.slow),
-                                           pytest.param("inductor", True, marks=pytest.mark.slow)])
-def test_padded_batch_runs_the_unsharded_fallback(workers, backend, fresh):
-    # fresh: every batch a new tensor and the earlier ones freed, as a data loader does (the fallback is
-    # compiled after the first call's inputs are gone)
+# fresh: every batch a new tensor and the earlier ones freed, as a data loader does (a graph compiled later
+# can't read the first call's inputs)
+_BACKENDS = [("aot_eager", False), ("aot_eager", True), pytest.param("inductor", False, marks=pytest.mark.slow),
+             pytest.param("inductor", True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("backend,fresh", _BACKENDS)
+def test_padded_and_unpadded_batches_share_one_sharded_graph(workers, backend, fresh):
     results = workers.get(2).run(mixed_batches_task, backend, fresh, timeout=900)
     for result in results:
         calls = result["calls"]
         for call in calls:
             assert call["loss_error"] <= 1e-5 and call["grad_error"] <= 1e-5, call
-        # sharded calls run the ring (2 layers); padded calls run the replicated fallback
-        assert [c["ring_calls"] for c in calls] == [2, 0, 2, 0]
+        assert [c["ring_calls"] for c in calls] == [2, 2, 2, 2]               # every call sharded (2 layers)
+        assert not any(c["warned"] for c in calls)
+        assert result["graphs"] == 1                                           # no recompile, no fallback
+        assert result["kinds"].count("shard") == 1 and "unpadded_mask" not in result["kinds"]
+
+
+@pytest.mark.parametrize("backend,fresh", _BACKENDS)
+def test_padding_mask_not_taken_as_data_runs_the_unsharded_fallback(workers, backend, fresh):
+    # queries hidden too: not key padding; causal when all ones -> specialized, padded calls fall back
+    results = workers.get(2).run(mixed_batches_task, backend, fresh, "query_key_padded", timeout=900)
+    for result in results:
+        calls = result["calls"]
+        for call in calls:
+            assert call["loss_error"] <= 1e-5 and call["grad_error"] <= 1e-5, call
+        # sharded calls run the ring (1 layer); padded calls run the replicated fallback
+        assert [c["ring_calls"] for c in calls] == [1, 0, 1, 0]
         assert [c["warned"] for c in calls] == [False, True, False, False]   # warned once
         assert result["graphs"] == 2                                           # fallback compiled once
         assert result["kinds"].count("shard") == 1 and result["kinds"].count("unpadded_mask") == 1
@@ -100,25 +120,26 @@ def test_padded_batch_runs_the_unsharded_fallback(workers, backend, fresh):
         assert len(fallback_notes) == 1 and "not all ones" in fallback_notes[0]
 
 
-def test_padded_first_call_is_not_specialized(workers):
-    # the call being compiled has padding: nothing to specialize on; refused, exact
+def test_padded_first_call_is_sharded(workers):
+    # the call being compiled has padding: nothing to specialize on; the key padding is data, sharded, exact
     results = assert_equivalent(zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_with_padding, world_size=2,
-                                group=workers.get(2), backend="aot_eager", expect_sharded=False)
+                                group=workers.get(2), backend="aot_eager")
     kinds = [k for k, _ in results[0]["rewrites"]]
-    assert "unpadded_mask" not in kinds and "shard" not in kinds
+    assert "unpadded_mask" not in kinds and "shard" in kinds
     codes = [c for c in results[0]["skip_codes"] if c.startswith("unpadded_mask.")]
     assert codes == ["unpadded_mask.not_assumable"], results[0]["skipped"]
 
 
-def test_windowed_mask_of_an_all_ones_input_is_specialized_and_sharded(workers):
-    # a sliding window narrower than the sequence: with the input all ones the mask is causal & window,
-    # which the ring executes (a mask that stays outside what the ring executes is refused with
+def test_windowed_padding_mask_is_sharded_as_data(workers):
+    # a sliding window narrower than the sequence with key padding: causal & window & key padding, data
+    # for the op (a mask that stays outside what the ring executes is refused with
     # unpadded_mask.not_causal_when_ones: test_mask_outside_what_the_ring_executes_is_not_specialized)
-    results = assert_equivalent(zoo.windowed_hf_llama, zoo.hf_inputs, zoo.hf_loss_with_attention_mask,
+    results = assert_equivalent(zoo.windowed_hf_llama, zoo.hf_inputs, zoo.hf_loss_with_padding,
                                 world_size=2, group=workers.get(2), backend="aot_eager")
     kinds = [k for k, _ in results[0]["rewrites"]]
-    assert "unpadded_mask" in kinds and "shard" in kinds
-    assert {m.split(" ")[0] for m in results[0]["attention_masks"]} == {"causal&window(7,-)"}
+    assert "unpadded_mask" not in kinds and "shard" in kinds
+    assert {m.split(" ")[0].split("&key_padding")[0] for m in results[0]["attention_masks"]} == \
+        {"causal&window(7,-)"}
 
 
 def test_refused_graph_keeps_the_real_reason(workers):
@@ -128,8 +149,8 @@ def test_refused_graph_keeps_the_real_reason(workers):
                                 backend="aot_eager", expect_sharded=False)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert "unpadded_mask" not in kinds and "shard" not in kinds
-    reasons = [r for k, r in results[0]["skipped"] if k == "shard"]
-    assert any(r.startswith("even with the attention-mask input assumed all ones") for r in reasons)
+    # the padding mask is data (nothing specialized); the shard pass's own reason is the one reported
+    assert [c for c in results[0]["skip_codes"] if c.startswith("shard.")], results[0]["skipped"]
 
 
 def test_single_device_leaves_masks_alone():

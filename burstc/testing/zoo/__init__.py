@@ -46,6 +46,9 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_inputs_single_sequence,
     hf_loss_with_attention_mask,
     hf_loss_with_padding,
+    hf_loss_packed,
+    hf_loss_left_padded,
+    packed_position_ids,
     windowed_hf_llama,
     hf_loss_autocast,
     hf_llama_checkpointed,
@@ -60,4 +63,6 @@ from burstc.testing.zoo.handwritten import (  # noqa: F401
     InPlaceMask,
     InPlacePositions,
     PositionwiseMinMax,
+    QueryKeyPadded,
+    query_key_padded,
 )

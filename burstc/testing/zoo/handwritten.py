@@ -121,3 +121,33 @@ class PositionwiseMinMax(torch.nn.Module):
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + a.transpose(1, 2).reshape(*ids.shape, 16)
         return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
+
+
+class QueryKeyPadded(torch.nn.Module):
+    """Called like an HF model (``input_ids``, ``labels``, ``attention_mask``), but its mask hides padded
+    queries as well as padded keys: not the key padding burstc takes as runtime data, causal only when the
+    attention_mask is all ones (exercises the all-ones specialization and its unsharded fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, input_ids, labels, attention_mask, use_cache=False):
+        batch, seq = input_ids.shape
+        h = self.emb(input_ids)
+        q, k, v = self.qkv(h).view(batch, seq, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        valid = attention_mask.bool()
+        allowed = causal[None, None] & valid[:, None, :, None] & valid[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        h = h + out.transpose(1, 2).reshape(batch, seq, 16)
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+        return type("Output", (), {"loss": loss})()
+
+
+def query_key_padded():
+    return QueryKeyPadded()

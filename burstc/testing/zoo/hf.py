@@ -98,6 +98,32 @@ def hf_loss_with_padding(model, ids):
     return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
 
 
+def packed_position_ids(batch: int, seq: int, lengths=(5, 1, 10)) -> torch.Tensor:
+    """Packed documents as HF's ``DataCollatorWithFlattening`` passes them: each document's positions restart
+    at 0 (documents of ``lengths``, the last one filling the row; each row shifted so boundaries differ)."""
+    rows = []
+    for b in range(batch):
+        sizes = list(lengths[b % len(lengths):]) + list(lengths[:b % len(lengths)])
+        sizes.append(seq - sum(sizes))
+        rows.append(torch.cat([torch.arange(n) for n in sizes if n > 0]))
+    return torch.stack(rows)
+
+
+def hf_loss_packed(model, ids):
+    """Packed documents: restarting position ids, the first token of every document not a target."""
+    position_ids = packed_position_ids(*ids.shape)
+    labels = ids.masked_fill(position_ids == 0, -100)
+    return model(input_ids=ids, labels=labels, position_ids=position_ids, use_cache=False).loss
+
+
+def hf_loss_left_padded(model, ids):
+    """A left-padded batch (as generation-style tokenizers pad): the first row's first 9 tokens are padding,
+    their labels ignored."""
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    return model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask, use_cache=False).loss
+
+
 def windowed_hf_llama():
     """A Mistral (Llama with a sliding window) whose window (8) is shorter than the sequence."""
     import transformers
