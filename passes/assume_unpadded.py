@@ -108,7 +108,9 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         return gm
     # masks recognized as runtime data (key padding, packed documents) need no specialization: the ring op
     # takes this call's values, so one graph serves padded and unpadded batches alike
-    as_data = [classify_runtime_mask(gm, mask_node, style, reader) for reader, mask_node, style in runtime_masks]
+    memo = {}  # one mask read by every layer is probed once
+    as_data = [classify_runtime_mask(gm, mask_node, style, reader, memo=memo)
+               for reader, mask_node, style in runtime_masks]
     if all(spec is not None and spec.ring_supported for spec in as_data):
         context.note = (f"{len(runtime_masks)} mask(s) built from the inputs are runtime data for the ring op "
                         f"({', '.join(sorted({spec.kind for spec in as_data}))}): nothing to specialize")
@@ -116,7 +118,8 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
 
     fake_mode = fake_mode_of(gm)
     substitutes = {p: _substitute_ones(gm, p, fake_mode) for p in candidates}
-    verdicts = [classify_mask(gm, mask_node, style, reader) for reader, mask_node, style in runtime_masks]
+    memo = {}  # a fresh one: the graph changed (ones substituted)
+    verdicts = [classify_mask(gm, mask_node, style, reader, memo=memo) for reader, mask_node, style in runtime_masks]
     # specialize only where it pays for its per-call check: masks the ring op executes (full, causal today)
     if any(spec is None or not spec.ring_supported for spec, _ in verdicts):
         for placeholder, ones in substitutes.items():  # undo: assuming ones would not make them causal

@@ -182,7 +182,7 @@ def _undo_repeat_kv(gm, node, fake_mode) -> bool:
 _FOLDED = "constant mask folded at compile time"
 
 
-def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
+def _canonicalize_sdpa(gm, node, memo: dict) -> tuple[str, MaskSpec | None, Refusal | None]:
     """Classify SDPA's constant mask -> (how it was found, its exact MaskSpec, refusal).  Full and causal
     are folded into ``is_causal`` / no mask; any other static spec (a window, a band, ALiBi) keeps its
     ``attn_mask`` so that the node stays exact however the shard pass decides."""
@@ -193,7 +193,7 @@ def _canonicalize_sdpa(gm, node) -> tuple[str, MaskSpec | None, Refusal | None]:
     if isinstance(mask, fx.Node) and val(mask) is not None and val(mask).dtype not in (torch.bool,) \
             and not val(mask).is_floating_point():
         return "", None, None  # an integer mask SDPA would reject: left for eager to raise
-    spec, refusal = classify_mask(gm, mask, "visible", node, heads=_heads(kwargs["query"]))
+    spec, refusal = classify_mask(gm, mask, "visible", node, heads=_heads(kwargs["query"]), memo=memo)
     if refusal is not None:
         return "", None, refusal
     if not (spec.is_full or spec.is_causal):
@@ -378,12 +378,12 @@ def _manual_match(node, found, spec, refusal) -> AttentionMatch:
                           mask_origin="manual softmax attention left as written", refusal=refusal)
 
 
-def _detect_manual(gm, node, found, context, fake_mode) -> AttentionMatch | None:
+def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> AttentionMatch | None:
     """Record the manual attention ``node``; when exact, canonicalize it to SDPA -> the SDPA's match or None."""
     spec = MaskSpec.full()
     if found["mask"] is not None:
         reader, mask_node, style = _manual_mask(gm, node, found)
-        spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]))
+        spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]), memo=memo)
         if refusal is not None:
             context.facts.attention[node] = _manual_match(node, found, None, refusal)
             context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
@@ -418,10 +418,11 @@ def _detect_manual(gm, node, found, context, fake_mode) -> AttentionMatch | None
 
 def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
+    memo = {}  # one mask read by every layer is classified once
     folded = manual = unrepeated = 0
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
-            origin, spec, refusal = _canonicalize_sdpa(gm, node)
+            origin, spec, refusal = _canonicalize_sdpa(gm, node, memo)
             notes = ()
             if _undo_repeat_kv(gm, node, fake_mode):
                 notes = ("repeat_kv undone: kv heads travel unrepeated",)
@@ -434,7 +435,7 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                                                                  "notes": ", ".join(notes) or None})
             continue
         found = _match_manual(gm, node)
-        match = _detect_manual(gm, node, found, context, fake_mode) if found is not None else None
+        match = _detect_manual(gm, node, found, context, fake_mode, memo) if found is not None else None
         if match is not None:
             manual += 1
             unrepeated += bool(match.notes)

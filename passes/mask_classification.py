@@ -1,4 +1,5 @@
-"""Helper of ``detect_attention`` (not a pass): turn a constant attention mask into the exact :class:`MaskSpec`.
+"""Helper of ``detect_attention`` and ``assume_unpadded`` (not a pass): turn an attention mask into the exact
+:class:`MaskSpec` — a constant one by its value, one built from the token inputs by probing (see below).
 
 A mask is evaluated at compile time (``graph_utils.evaluate_constant``) and read in one of three styles:
 
@@ -19,13 +20,13 @@ for them) is refused with ``attention.mask_dense``; never a nearby spec.
 """
 from __future__ import annotations
 
-import torch
-
 import itertools
+
+import torch
 
 from burstc.attention_ir import Alibi, Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, \
     document_ids_from_positions
-from burstc.passes.graph_utils import NotConstant, ancestors, evaluate_constant, placeholder_kind, val
+from burstc.passes.graph_utils import NotConstant, ancestors, evaluate_constant, in_place_writes, placeholder_kind, val
 from burstc.refusals import Refusal, register_codes
 
 CODES = register_codes("attention", {
@@ -105,14 +106,25 @@ def _alibi(bias: torch.Tensor, visible: torch.Tensor, heads: int | None) -> Alib
     return Alibi(tuple(slopes))
 
 
+def _hidden_by_value(mask: torch.Tensor) -> torch.Tensor:
+    """Entries of a float mask that hide their score: ``-inf`` or ``<= finfo(dtype).min / 2``."""
+    return mask <= torch.finfo(mask.dtype).min / 2
+
+
+def _bool_visibility(mask: torch.Tensor, style: str) -> torch.Tensor | None:
+    """A bool mask read as SDPA's ``attn_mask`` (True = visible) or by ``masked_fill`` (True = hidden)."""
+    if mask.dtype != torch.bool:
+        return None
+    return mask if style == "visible" else (~mask if style == "filled" else None)
+
+
 def spec_of_value(mask, style: str, *, heads: int | None = None) -> tuple[MaskSpec | None, Refusal | None]:
     """The evaluated ``mask`` read in ``style`` -> (exact MaskSpec, None) or (None, refusal)."""
     if not isinstance(mask, torch.Tensor):
         return None, Refusal(CODES.mask_not_tensor, "mask is not a tensor")
     alibi = None
     if mask.is_floating_point() and style in ("visible", "additive"):
-        masked = mask <= torch.finfo(mask.dtype).min / 2   # -inf included
-        visible = ~masked
+        visible = ~_hidden_by_value(mask)
         kept = mask[visible]
         if not bool(torch.isfinite(kept).all()):
             return None, Refusal(CODES.mask_bias, "additive mask with non-finite visible entries")
@@ -122,10 +134,8 @@ def spec_of_value(mask, style: str, *, heads: int | None = None) -> tuple[MaskSp
             if alibi is None:
                 return None, Refusal(CODES.mask_bias, "additive mask with values other than 0 and <= finfo.min/2, "
                                                       "not linear in j - i per head (a bias, not a mask)")
-    elif mask.dtype == torch.bool and style == "visible":
-        visible = mask
-    elif mask.dtype == torch.bool and style == "filled":
-        visible = ~mask
+    elif (visible := _bool_visibility(mask, style)) is not None:
+        pass
     else:
         return None, Refusal(CODES.mask_bias, f"a {mask.dtype} mask read as {style}: a bias, not a mask")
     spec = spec_of_visibility(visible)
@@ -135,9 +145,34 @@ def spec_of_value(mask, style: str, *, heads: int | None = None) -> tuple[MaskSp
     return (spec & alibi if alibi is not None else spec), None
 
 
-def classify_mask(gm, mask_node, style: str, consumer, *, heads: int | None = None
+_WRITES = object()  # memo key of the graph's in-place writes
+
+
+def _memoized(memo: dict | None, gm, key: tuple, mask_node, consumer, compute):
+    """``compute()``, answered from ``memo`` (one dict per pass over one graph) when the same mask is read
+    again: HF builds one mask that every layer reads.  Readers see the same value when the same in-place
+    writes into the mask's ancestors come before them (``evaluate_constant`` replays exactly those)."""
+    if memo is None:
+        return compute()
+    if _WRITES not in memo:
+        memo[_WRITES] = in_place_writes(gm.graph)  # the pass inserts nodes, never in-place writes
+    writes = memo[_WRITES]
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}  # fresh: the pass inserts nodes as it goes
+    needed = set(ancestors(mask_node))
+    key = key + (frozenset(op for op, aliases in writes if aliases & needed and position[op] < position[consumer]),)
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
+
+
+def classify_mask(gm, mask_node, style: str, consumer, *, heads: int | None = None, memo: dict | None = None
                   ) -> tuple[MaskSpec | None, Refusal | None]:
     """The mask ``consumer`` reads -> (exact MaskSpec, None) or (None, refusal with its code)."""
+    return _memoized(memo, gm, ("mask", mask_node, style, heads), mask_node, consumer,
+                     lambda: _classify_mask(gm, mask_node, style, consumer, heads))
+
+
+def _classify_mask(gm, mask_node, style, consumer, heads):
     try:
         mask = evaluate_constant(gm, mask_node, at=consumer)
     except NotConstant as why:
@@ -189,17 +224,20 @@ def _visibility(value, style: str) -> torch.Tensor | None:
     if not isinstance(value, torch.Tensor):
         return None
     if value.is_floating_point() and style in ("visible", "additive"):
-        hidden = value <= torch.finfo(value.dtype).min / 2
+        hidden = _hidden_by_value(value)
         return ~hidden if bool((value[~hidden] == 0).all()) else None
-    if value.dtype == torch.bool:
-        return value if style == "visible" else (~value if style == "filled" else None)
-    return None
+    return _bool_visibility(value, style)
 
 
-def classify_runtime_mask(gm, mask_node, style: str, consumer) -> MaskSpec | None:
+def classify_runtime_mask(gm, mask_node, style: str, consumer, *, memo: dict | None = None) -> MaskSpec | None:
     """A mask built from at most one positions input and one padding input (integer/bool ``[B, S]``
     placeholders) and constants -> ``static & Documents(...) & KeyPadding(...)`` when every probe agrees,
     else None."""
+    return _memoized(memo, gm, ("runtime", mask_node, style), mask_node, consumer,
+                     lambda: _classify_runtime_mask(gm, mask_node, style, consumer))
+
+
+def _classify_runtime_mask(gm, mask_node, style, consumer):
     needed = ancestors(mask_node)
     inputs = [n for n in needed if n.op == "placeholder" and placeholder_kind(n) == "input"]
     if not inputs or len(inputs) > 2:

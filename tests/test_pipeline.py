@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import burstc
 import burstc.passes as passes
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Documents, MaskSpec
 from burstc.config import BurstConfig
 from burstc.pass_context import GraphFacts, PassContext
 from burstc.refusals import ALL_CODES
@@ -213,3 +213,20 @@ def test_readme_names_real_paths_and_exported_api():
     assert not missing, f"README names paths that do not exist: {missing}"
     for name in set(re.findall(r"\bburstc\.(\w+)\(", readme)):
         assert hasattr(burstc, name), f"README shows burstc.{name}(...) but burstc does not export it"
+
+
+def test_a_mask_every_layer_reads_is_classified_once(monkeypatch):
+    """HF builds one mask that every layer reads: detection probes it once, not once per layer."""
+    import burstc.passes.mask_classification as classification
+    from burstc.testing import zoo
+
+    calls = []
+    probe = classification._classify_runtime_mask
+    monkeypatch.setattr(classification, "_classify_runtime_mask", lambda *a: calls.append(a[1]) or probe(*a))
+    model = zoo.hf_llama()  # 2 layers
+    ids = zoo.hf_inputs()
+    position_ids = zoo.packed_position_ids(*ids.shape)
+    _, context = _detect(lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).logits, ids, position_ids)
+    matches = list(context.facts.attention.values())
+    assert len(matches) == 2 and all(m.mask.term(Documents) is not None for m in matches)
+    assert len(calls) == 1
