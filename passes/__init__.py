@@ -89,6 +89,7 @@ def run_stage(stage: str, gm: fx.GraphModule, *, config, context: PassContext, g
               ) -> fx.GraphModule:
     """Run ``stage``'s passes in order on ``gm``; each leaves a :class:`PassRun` in the report (a pass that
     finds nothing says so) and, when ``graphs`` is given, a snapshot of the graph after it."""
+    ran = False
     for spec in passes_of(stage):
         if spec.name in config.disable_passes:
             _record_run(context, spec.name, 0, 0, "disabled by option")
@@ -97,6 +98,7 @@ def run_stage(stage: str, gm: fx.GraphModule, *, config, context: PassContext, g
             _record_run(context, spec.name, 0, 0, "single device: not run (needs a mesh)")
             continue
         context.start_pass(spec.name)
+        ran = True
         result = spec.load()(gm, config=config, context=context)
         if not isinstance(result, fx.GraphModule):
             raise TypeError(f"burstc pass {spec.name} returned {type(result).__name__}, expected a GraphModule")
@@ -106,8 +108,9 @@ def run_stage(stage: str, gm: fx.GraphModule, *, config, context: PassContext, g
         if graphs is not None:
             graphs[spec.name] = snapshot_graph(gm)
             dump_graph(spec.name, context.graph_id, gm)
-    gm.graph.lint()
-    gm.recompile()
+    if ran:  # an AOT stage without passes hands its graph on untouched (no codegen for nothing)
+        gm.graph.lint()
+        gm.recompile()
     return gm
 
 
@@ -115,8 +118,3 @@ def _record_run(context: PassContext, name: str, rewrites: int, skips: int, note
     context.report.passes.append(PassRun(name, context.graph_id, rewrites, skips, note))
     log_event("passes", "graph %d: pass %s: %d rewrite(s), %d skip(s) %s", context.graph_id, name,
               rewrites, skips, note)
-
-
-def apply_passes(gm: fx.GraphModule, *, config, context: PassContext) -> fx.GraphModule:
-    """The Dynamo-stage passes (what the backend runs before lowering)."""
-    return run_stage("dynamo", gm, config=config, context=context)

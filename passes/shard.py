@@ -54,7 +54,8 @@ def _group_name(context) -> str:
     return mesh.get_group().group_name
 
 
-def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
+def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> tuple[list[str], tuple[str, ...]]:
+    """Rewrite ``gm`` by ``plan`` -> (names of the outputs gathered, the backward plan of each ring attention)."""
     graph = gm.graph
     layout = config.layout
     shard_cache = {}
@@ -79,6 +80,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
     from burstc.planner import plan_attention, predicted_work
 
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
+    fake_mode = fake_mode_of(gm)
+    plans = []
     for node in plan.attention:
         match = context.facts.attention.get(node)
         call = attention_call(node, match)
@@ -96,7 +99,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
-            doc_ids, key_valid = _runtime_mask_data(graph, mask, fake_mode_of(gm), runtime_data)
+            doc_ids, key_valid = _runtime_mask_data(graph, mask, fake_mode, runtime_data)
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name,
                                         doc_ids, key_valid))
@@ -104,6 +107,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
+        plans.append(plan_name)
         context.rewrite("attention", out, {
             "plan": plan_name, "layout": layout, "causal": mask.term(Causal) is not None, "world_size": analyzer.P,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
@@ -162,7 +166,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name):
                 with graph.inserting_after(node):
                     synced = graph.call_function(grad_all_reduce, (node, group_name))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
-    return gathered
+    return gathered, tuple(plans)
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
@@ -262,7 +266,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      code=problem.code)
         return gm
     group_name = _group_name(context)
-    gathered = _apply(gm, plan, analyzer, config, context, group_name)
+    gathered, plans = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
     _refresh_meta(gm)
@@ -273,10 +277,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None,
     }, module="")
-    context.facts.sharding = ShardingFact(
-        world_size=context.world_size, layout=config.layout, seq_len=seq_len, padded_len=padded_len,
-        plans=tuple(r.details.get("plan") for r in context.report.rewrites
-                    if r.graph_id == context.graph_id and r.kind == "attention"))
+    context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
+                                          seq_len=seq_len, padded_len=padded_len)
     return gm
 
 
@@ -290,11 +292,10 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
 def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, fake_mode, cache: dict):
     """``(doc_ids, key_valid)`` graph values for the mask's runtime terms (None where it has none), computed
     from the replicated token inputs they name: every rank holds the whole batch's, so no communication."""
-    inputs = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-
     def value(kind, source, fn, extra):
         if (kind, source) not in cache:
-            args = (inputs[source], *extra)
+            placeholder = next(n for n in graph.nodes if n.op == "placeholder" and n.name == source)
+            args = (placeholder, *extra)
             cache[kind, source] = graph.call_function(fn, args)
             set_meta(cache[kind, source], fn, args, {}, fake_mode)
         return cache[kind, source]
