@@ -35,8 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from burstc.passes.detect_attention import attention_masks
 from burstc.passes.mask_classification import classify_mask, classify_runtime_mask
 from burstc.refusals import register_codes
-from burstc.passes.graph_utils import (NotConstant, ancestors, eliminate_dead_code, evaluate_constant,
-                                       fake_mode_of, placeholder_example, placeholder_kind, set_meta, val)
+from burstc.passes.graph_utils import (ancestors, eliminate_dead_code, fake_mode_of, input_dependency, placeholder_example, placeholder_kind, set_meta, val)
 
 KIND = "unpadded_mask"
 CODES = register_codes("unpadded_mask", {
@@ -85,11 +84,8 @@ def assume_unpadded(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     masks = attention_masks(gm)
     runtime_masks, candidates, reported = [], {}, set()
     for reader, mask_node, style in masks:
-        try:
-            evaluate_constant(gm, mask_node, at=reader)
+        if input_dependency(gm, mask_node, at=reader) is None:
             continue  # constant already: detect_attention folds it
-        except NotConstant:
-            pass
         inputs = _input_dependencies(mask_node)
         refusals = {n: _assumable(n) for n in inputs}
         if not inputs or any(refusals.values()):

@@ -178,19 +178,59 @@ class NotConstant(Exception):
     pass
 
 
-def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28, at: fx.Node | None = None,
-                      inputs: dict | None = None):
-    """Evaluate ``node`` with real tensors if it depends only on constants and module buffers
-    (never on the caller's inputs or on parameters); raises :class:`NotConstant` otherwise.
+class TooLarge(NotConstant):
+    """The value could be computed but is too big to evaluate at compile time (at this length)."""
 
-    The value is the one ``node`` holds when ``at`` (default: ``node`` itself) runs: in-place writes
-    into it (or into what it aliases, or what it was computed from) made before ``at`` are replayed in
-    graph order, e.g. HF's mask built by ``torch.full`` then edited with ``triu_`` / ``&=``.
 
-    Buffers are read at compile time: a mask kept in a buffer (nanoGPT's ``tril``) is assumed not
-    to change between calls.  ``inputs`` maps placeholders to values to evaluate with (probing a mask
-    that depends on the caller's inputs)."""
-    inputs = inputs or {}
+class NotScalable(NotConstant):
+    """Evaluating at a shorter sequence length changed a shape in a way the substitution does not explain."""
+
+
+# Compile-time evaluation of one tensor stops at this many elements (a [1, 1, S, S] mask: S = 16K); longer
+# masks are evaluated at shorter lengths (LengthScaling)
+FULL_EVALUATION_LIMIT = 2**28
+
+
+class LengthScaling:
+    """Evaluate a subgraph traced at sequence length ``full`` as if traced at the shorter ``probe``: every int
+    argument ``full + k`` (|k| <= SLACK, e.g. ``arange(S)``, ``expand(B, 1, S, S)``, a slice end) becomes
+    ``probe + k``.  Every computed value must then have its traced shape with the same substitution, else
+    :class:`NotScalable`: some size came from the length another way (``S * S``, ``S // 2``), or another
+    dimension equals the length by chance.  What this cannot check — a *value* threshold derived from the
+    length — the caller checks by comparing two probe lengths."""
+
+    SLACK = 2
+
+    def __init__(self, full: int, probe: int):
+        self.full, self.probe = full, probe
+
+    def __repr__(self):
+        return f"LengthScaling({self.full} -> {self.probe})"
+
+    def is_length(self, x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and abs(x - self.full) <= self.SLACK
+
+    def size(self, x):
+        return x - self.full + self.probe if self.is_length(x) else x
+
+    def args(self, args):
+        if isinstance(args, (tuple, list)):
+            return type(args)(self.args(a) for a in args)
+        if isinstance(args, dict):
+            return {k: self.args(v) for k, v in args.items()}
+        if isinstance(args, slice):
+            return slice(self.size(args.start), self.size(args.stop), self.size(args.step))
+        if isinstance(args, torch.Size):
+            return torch.Size(self.size(d) for d in args)
+        return self.size(args)
+
+    def shape(self, shape) -> tuple:
+        return tuple(self.size(int(d)) for d in shape)
+
+
+def evaluation_order(gm: fx.GraphModule, node: fx.Node, at: fx.Node | None = None) -> list[fx.Node]:
+    """The nodes :func:`evaluate_constant` computes for ``node`` as read by ``at``, in graph order: its
+    ancestors, the in-place writes into them made before ``at``, and what those writes read."""
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
     cutoff = position[at if at is not None else node]
     writes = [(op, aliases) for op, aliases in in_place_writes(gm.graph) if position[op] < cutoff]
@@ -202,9 +242,34 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
             if op not in needed and aliases & needed:
                 needed.update(ancestors(op))
                 grew = True
-    order = [n for n in gm.graph.nodes if n in needed]
+    return [n for n in gm.graph.nodes if n in needed]
+
+
+def input_dependency(gm: fx.GraphModule, node: fx.Node, at: fx.Node | None = None) -> fx.Node | None:
+    """The first placeholder ``node``'s value (as ``at`` reads it) depends on that is not a module buffer — a
+    caller's input or a parameter — else None: the value is a compile-time constant."""
+    return next((n for n in evaluation_order(gm, node, at)
+                 if n.op == "placeholder" and placeholder_kind(n) != "buffer"), None)
+
+
+def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int | None = None,
+                      at: fx.Node | None = None, inputs: dict | None = None, length: LengthScaling | None = None):
+    """Evaluate ``node`` with real tensors if it depends only on constants and module buffers
+    (never on the caller's inputs or on parameters); raises :class:`NotConstant` otherwise.
+
+    The value is the one ``node`` holds when ``at`` (default: ``node`` itself) runs: in-place writes
+    into it (or into what it aliases, or what it was computed from) made before ``at`` are replayed in
+    graph order, e.g. HF's mask built by ``torch.full`` then edited with ``triu_`` / ``&=``.
+
+    Buffers are read at compile time: a mask kept in a buffer (nanoGPT's ``tril``) is assumed not
+    to change between calls.  ``inputs`` maps placeholders to values to evaluate with (probing a mask
+    that depends on the caller's inputs).  ``length`` evaluates at a shorter sequence length (see
+    :class:`LengthScaling`); a value over ``max_numel`` (default :data:`FULL_EVALUATION_LIMIT`) elements
+    raises :class:`TooLarge`."""
+    inputs = inputs or {}
+    max_numel = FULL_EVALUATION_LIMIT if max_numel is None else max_numel
     env = {}
-    for n in order:
+    for n in evaluation_order(gm, node, at):
         if n in inputs:
             env[n] = inputs[n]
             continue
@@ -217,11 +282,17 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
                 raise NotConstant(f"no value recorded for buffer `{n.name}`")
             env[n] = example.detach().clone() if isinstance(example, torch.Tensor) else example
             continue
-        v = val(n)
-        if isinstance(v, torch.Tensor) and v.numel() > max_numel:
-            raise NotConstant(f"`{n.name}` has {v.numel():,} elements, too many to evaluate at compile time")
+        traced = val(n)
+        expected = None
+        if isinstance(traced, torch.Tensor) and n.op != "get_attr":  # a get_attr constant keeps its shape
+            expected = length.shape(traced.shape) if length is not None else tuple(traced.shape)
+            if math.prod(expected) > max_numel:
+                raise TooLarge(f"`{n.name}` has {math.prod(expected):,} elements, too many to evaluate at compile "
+                               "time")
         args = fx.node.map_arg(n.args, lambda a: env[a])
         kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+        if length is not None:
+            args, kwargs = length.args(args), length.args(kwargs)
         if n.op == "call_function":
             env[n] = n.target(*args, **kwargs)
         elif n.op == "call_method":
@@ -231,7 +302,41 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int = 2**28,
             env[n] = attr.detach().clone() if isinstance(attr, torch.Tensor) else attr
         else:
             raise NotConstant(f"cannot evaluate `{n.op}` node `{n.name}`")
+        if length is not None and expected is not None and isinstance(env[n], torch.Tensor) \
+                and tuple(env[n].shape) != expected:
+            raise NotScalable(f"`{n.name}`: shape {tuple(traced.shape)} at length {length.full} is "
+                              f"{tuple(env[n].shape)} at {length.probe}, not {expected}")
     return env[node]
+
+
+def numeric_constants(gm: fx.GraphModule, nodes) -> list[float]:
+    """The numbers ``nodes`` compute with that are not tensors' contents: int/float arguments (in tuples,
+    slices, keywords) and the entries of small constant tensors (``get_attr`` of at most 64 elements)."""
+    found = []
+
+    def visit(a):
+        if isinstance(a, bool):
+            return
+        if isinstance(a, (int, float)):
+            found.append(a)
+        elif isinstance(a, (tuple, list)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+        elif isinstance(a, slice):
+            visit((a.start, a.stop, a.step))
+
+    for n in nodes:
+        if n.op == "get_attr":
+            attr = getattr(gm, n.target, None)
+            if isinstance(attr, torch.Tensor) and attr.numel() <= 64 and not attr.is_complex():
+                found.extend(float(x) for x in attr.detach().flatten().tolist())
+        else:
+            visit(n.args)
+            visit(n.kwargs)
+    return found
 
 
 def normalized_kwargs(node: fx.Node) -> dict | None:
@@ -251,6 +356,8 @@ def prod(xs) -> int:
 
 
 __all__ = ["val", "fake_mode_of", "set_meta", "is_function", "is_method", "op_name", "placeholder_kind",
-           "placeholder_example", "ancestors", "evaluate_constant", "NotConstant", "const_number", "prod",
+           "placeholder_example", "ancestors", "evaluate_constant", "NotConstant", "TooLarge", "NotScalable",
+           "LengthScaling", "FULL_EVALUATION_LIMIT", "evaluation_order", "input_dependency", "numeric_constants",
+           "const_number", "prod",
            "is_mutating", "in_place_writes", "mutated_values", "eliminate_dead_code", "normalized_kwargs",
            "operator"]

@@ -21,12 +21,16 @@ for them) is refused with ``attention.mask_dense``; never a nearby spec.
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
 from burstc.attention_ir import Alibi, Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, \
     document_ids_from_positions
-from burstc.passes.graph_utils import NotConstant, ancestors, evaluate_constant, in_place_writes, placeholder_kind, val
+from burstc.passes import graph_utils
+from burstc.passes.graph_utils import (LengthScaling, NotConstant, TooLarge, ancestors, evaluate_constant,
+                                       evaluation_order, in_place_writes, input_dependency, numeric_constants,
+                                       placeholder_kind, prod, val)
 from burstc.refusals import Refusal, register_codes
 
 CODES = register_codes("attention", {
@@ -36,6 +40,10 @@ CODES = register_codes("attention", {
                  "a bias, not a mask",
     "mask_dense": "a dense mask that is not exactly full, causal, a sliding window or a band",
     "mask_dtype": "an additive mask whose dtype differs from the scores': SDPA can't take it as attn_mask",
+    "mask_too_long": "the mask is too large to evaluate at the traced length and can't be evaluated at a "
+                     "shorter one (its sizes or thresholds are not plain functions of the sequence length)",
+    "mask_length_dependent": "evaluated at two shorter lengths, the mask is not the same spec: it depends on "
+                             "the sequence length in a way burstc can't carry to the traced length",
 })
 
 
@@ -173,14 +181,76 @@ def classify_mask(gm, mask_node, style: str, consumer, *, heads: int | None = No
 
 
 def _classify_mask(gm, mask_node, style, consumer, heads):
-    try:
-        mask = evaluate_constant(gm, mask_node, at=consumer)
-    except NotConstant as why:
+    dependency = input_dependency(gm, mask_node, at=consumer)
+    if dependency is not None:
         runtime = classify_runtime_mask(gm, mask_node, style, consumer)
         if runtime is not None:
             return runtime, None
+        try:
+            evaluation_lengths(gm, mask_node, consumer)
+        except TooLarge as why:
+            return None, Refusal(CODES.mask_too_long, f"mask depends on runtime values and {why}")
+        return None, Refusal(CODES.mask_runtime, f"mask depends on runtime values (depends on the "
+                                                 f"{placeholder_kind(dependency)} `{dependency.name}`)")
+    try:
+        lengths = evaluation_lengths(gm, mask_node, consumer)
+        verdicts = [spec_of_value(evaluate_constant(gm, mask_node, at=consumer, length=length), style, heads=heads)
+                    for length in lengths]
+    except TooLarge as why:
+        return None, Refusal(CODES.mask_too_long, str(why))
+    except NotConstant as why:
         return None, Refusal(CODES.mask_runtime, f"mask depends on runtime values ({why})")
-    return spec_of_value(mask, style, heads=heads)
+    return _same_at_every_length(verdicts, lengths)
+
+
+def _same_at_every_length(verdicts, lengths):
+    """One (spec, refusal) per evaluated length -> the verdict, if they agree (specs are absolute: a window of
+    4096 is one at every length; a window that grows with the probe length came from the length itself)."""
+    (spec, refusal), rest = verdicts[0], verdicts[1:]
+    if all(other[0] == spec and (other[1] is None) == (refusal is None) for other in rest):
+        return spec, refusal
+    shown = ", ".join(f"{v[0].kind if v[0] is not None else v[1].code} at length {length.probe}"
+                      for v, length in zip(verdicts, lengths))
+    return None, Refusal(CODES.mask_length_dependent, f"the mask differs with the probe length: {shown}")
+
+
+# -- masks too long to evaluate: evaluated at two shorter lengths -------------------------------------------
+#
+# A [B, 1, S, S] mask at S = 64K is 4G entries.  Such a mask is evaluated as if traced at two short lengths
+# (graph_utils.LengthScaling substitutes S in every size argument and checks every shape follows), both
+# longer than twice any other number the mask is computed with (a window of 4096 is seen as a window at both,
+# not as "longer than the sequence"); the two specs must agree.
+
+_MIN_PROBE_LENGTH = 32
+_PROBE_LENGTH_STEP = 5  # the second probe length: odd steps catch parity-dependent masks
+# fill values of masks (finfo(dtype).min, -inf) are scores, not thresholds on positions
+_FILL_LIMIT = torch.finfo(torch.float16).min / 2
+
+
+def evaluation_lengths(gm, mask_node, consumer, seq: int | None = None) -> tuple[LengthScaling | None, ...]:
+    """``(None,)`` when the mask (as ``consumer`` reads it) can be evaluated at its traced length; else two
+    :class:`LengthScaling` to shorter probe lengths.  Raises ``TooLarge`` when neither works."""
+    order = evaluation_order(gm, mask_node, consumer)
+    traced = [tuple(val(n).shape) for n in order if isinstance(val(n), torch.Tensor) and n.op != "placeholder"]
+    limit = graph_utils.FULL_EVALUATION_LIMIT
+    if max((prod(shape) for shape in traced), default=0) <= limit:
+        return (None,)
+    mask_shape = tuple(val(mask_node).shape)
+    seq = seq if seq is not None else mask_shape[-1]
+    if len(mask_shape) < 2 or mask_shape[-2:] != (seq, seq):
+        raise TooLarge(f"the mask's shape {mask_shape} is too large to evaluate and not [..., S, S]")
+    scaling = LengthScaling(seq, seq)
+    thresholds = [abs(c) for c in numeric_constants(gm, order)
+                  if math.isfinite(c) and c > _FILL_LIMIT and not scaling.is_length(c)]
+    shortest = max(_MIN_PROBE_LENGTH, 2 * math.ceil(max(thresholds, default=0)) + 16)
+    lengths = tuple(LengthScaling(seq, probe) for probe in (shortest, shortest + _PROBE_LENGTH_STEP))
+    if lengths[-1].probe + LengthScaling.SLACK >= seq:
+        raise TooLarge(f"the mask at length {seq} is too large to evaluate and it computes with numbers up to "
+                       f"{max(thresholds):g}: a shorter probe length must exceed twice that")
+    scaled = max(prod(lengths[-1].shape(shape)) for shape in traced)
+    if scaled > limit:
+        raise TooLarge(f"the mask is too large to evaluate even at length {lengths[-1].probe} ({scaled:,} elements)")
+    return lengths
 
 
 # -- masks built from the caller's token inputs: packed documents, padding ---------------------------------
@@ -250,16 +320,27 @@ def _classify_runtime_mask(gm, mask_node, style, consumer):
     batch, seq = next(iter(shapes))
     if any(val(n).is_floating_point() or val(n).is_complex() for n in inputs):
         return None
-    gen = torch.Generator().manual_seed(_PROBE_SEED)
-    for roles in itertools.permutations(("positions", "padding"), len(inputs)):
-        role_of = dict(zip(inputs, roles))
-        spec = _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen)
-        if spec is not None:
-            return spec
-    return None
+    try:
+        lengths = evaluation_lengths(gm, mask_node, consumer, seq)
+    except TooLarge:
+        return None
+    specs = []
+    for length in lengths:
+        gen = torch.Generator().manual_seed(_PROBE_SEED)
+        probe_seq = length.probe if length is not None else seq
+        spec = None
+        for roles in itertools.permutations(("positions", "padding"), len(inputs)):
+            role_of = dict(zip(inputs, roles))
+            spec = _verified(gm, mask_node, style, consumer, role_of, batch, probe_seq, gen, length)
+            if spec is not None:
+                break
+        if spec is None or (specs and spec != specs[0]):
+            return None
+        specs.append(spec)
+    return specs[0]
 
 
-def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen) -> MaskSpec | None:
+def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) -> MaskSpec | None:
     positions = next((n for n, r in role_of.items() if r == "positions"), None)
     padding = next((n for n, r in role_of.items() if r == "padding"), None)
     pos_probes = _probe_positions(batch, seq, gen) if positions is not None else [None]
@@ -272,7 +353,7 @@ def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen) -> MaskS
         if padding is not None:
             values[padding] = pad.to(val(padding).dtype)
         try:
-            return _visibility(evaluate_constant(gm, mask_node, at=consumer, inputs=values), style)
+            return _visibility(evaluate_constant(gm, mask_node, at=consumer, inputs=values, length=length), style)
         except Exception:  # noqa: BLE001 - a probe the subgraph can't take: not recognized
             return None
 

@@ -10,9 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from burstc.attention_ir import Alibi, Causal, MaskSpec, SlidingWindow, SoftCap
-from burstc.config import BurstConfig
-from burstc.pass_context import PassContext
-from burstc.report import Report
 
 B, H, S, D = 1, 2, 12, 8
 SDPA = F.scaled_dot_product_attention
@@ -21,21 +18,11 @@ MIN = torch.finfo(torch.float32).min
 
 def _detect(fn, *inputs):
     """-> (context, rewritten graph's output, fn's output): the pass runs inside the backend."""
-    from burstc.passes.detect_attention import detect_attention
-    from burstc.testing.graphs import dynamo_graph
-
-    def run_pass(gm, example_inputs):
-        context = PassContext(report=Report(BurstConfig(), world_size=2), graph_id=0, world_size=2,
-                              example_inputs=example_inputs)
-        context.start_pass("detect_attention")
-        detect_attention(gm, config=BurstConfig(), context=context)
-        gm.graph.lint()
-        gm.recompile()
-        return context, gm(*example_inputs)
+    from burstc.testing.graphs import detect_attention_in
 
     expected = fn(*inputs)
-    _, (context, got) = dynamo_graph(fn, *inputs, inside=run_pass)
-    return context, got[0] if isinstance(got, (tuple, list)) else got, expected
+    _, context, got = detect_attention_in(fn, *inputs)
+    return context, got, expected
 
 
 def _qkv(heads=H, seed=0):

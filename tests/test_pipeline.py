@@ -135,20 +135,11 @@ def test_skip_codes_are_registered_and_validated():
 
 
 def _detect(fn, *inputs, world_size=2):
-    """detect_attention on ``fn``'s Dynamo graph, run inside the backend (where Dynamo still holds the
-    values of buffers) -> (graph after the pass, context)."""
-    from burstc.passes.detect_attention import detect_attention
+    """detect_attention on ``fn``'s Dynamo graph -> (graph after the pass, context)."""
+    from burstc.testing.graphs import detect_attention_in
 
-    from burstc.testing.graphs import dynamo_graph
-
-    def run_pass(gm, example_inputs):
-        context = PassContext(report=Report(BurstConfig(), world_size=world_size), graph_id=0,
-                              world_size=world_size, example_inputs=example_inputs)
-        context.start_pass("detect_attention")
-        detect_attention(gm, config=BurstConfig(), context=context)
-        return context
-
-    return dynamo_graph(fn, *inputs, inside=run_pass)
+    gm, context, _ = detect_attention_in(fn, *inputs, world_size=world_size)
+    return gm, context
 
 
 def test_detect_attention_records_a_causal_match_for_manual_softmax_attention():
