@@ -15,6 +15,9 @@ MODELS = {
     "nanogpt_manual": (zoo.nanogpt_manual, zoo.nanogpt_inputs, zoo.nanogpt_loss),
     "hf_llama": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_no_cache),
     "hf_llama_cache": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_default),
+    # gradient accumulation: the summed loss over a token count from all steps (a graph input, not this
+    # batch's count); the sharded loss must divide by the same number
+    "hf_llama_num_items_in_batch": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_num_items),
 }
 
 

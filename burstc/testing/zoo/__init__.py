@@ -47,6 +47,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_with_attention_mask,
     hf_loss_with_padding,
     hf_loss_packed,
+    hf_loss_num_items,
     hf_loss_left_padded,
     packed_position_ids,
     windowed_hf_llama,

@@ -109,6 +109,12 @@ def packed_position_ids(batch: int, seq: int, lengths=(5, 1, 10)) -> torch.Tenso
     return torch.stack(rows)
 
 
+def hf_loss_num_items(model, ids):
+    """As HF's Trainer calls a model under gradient accumulation: the loss summed and divided by the count of
+    target tokens over all accumulation steps (``num_items_in_batch``), not by this batch's."""
+    return model(input_ids=ids, labels=ids, use_cache=False, num_items_in_batch=torch.tensor(45)).loss
+
+
 def hf_loss_packed(model, ids):
     """Packed documents: restarting position ids, the first token of every document not a target."""
     position_ids = packed_position_ids(*ids.shape)
