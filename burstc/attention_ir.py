@@ -63,12 +63,15 @@ class SlidingWindow:
 @dataclasses.dataclass(frozen=True)
 class Documents:
     """Query and key must belong to the same document.  ``source`` names the runtime input the ids come
-    from: ``"position_ids"`` (a document starts where the positions restart at 0) or ``"doc_ids"``."""
+    from: position ids (``ids=False``: a document starts where the positions do not step by one, HF's
+    packing convention) or document ids compared as they are (``ids=True``: a FlexAttention ``mask_mod``'s
+    ``doc[b, q] == doc[b, kv]``; any integers, not necessarily sorted)."""
 
     source: str
+    ids: bool = False
 
     def encode(self) -> str:
-        return f"documents({self.source})"
+        return f"{'document_ids' if self.ids else 'documents'}({self.source})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +260,8 @@ class MaskSpec:
                 terms.append(SlidingWindow(left, right))
             elif name == "documents":
                 terms.append(Documents(arg))
+            elif name == "document_ids":
+                terms.append(Documents(arg, ids=True))
             elif name == "key_padding":
                 terms.append(KeyPadding(arg))
             elif name == "flex_mask":
@@ -364,3 +369,8 @@ def document_ids_from_positions(position_ids_BS: torch.Tensor) -> torch.Tensor:
     ``DataCollatorWithFlattening``: each document's positions restart at 0)."""
     previous = torch.cat([position_ids_BS[..., :1] - 1, position_ids_BS[..., :-1]], dim=-1)
     return torch.cumsum((position_ids_BS - previous != 1).to(torch.int64), dim=-1)
+
+
+def document_ids_for_batch(ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """Document ids given as a tensor (``[S]`` shared by every row, or ``[B, S]``) -> int64 ``[B, S]``."""
+    return ids.to(torch.int64).expand(batch, ids.shape[-1]).contiguous()

@@ -2,6 +2,7 @@
 AOT-stage passes, Inductor or aot_eager) -> the runtime guards of :mod:`burstc.guards`."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -33,6 +34,46 @@ def _tracing_config(config: BurstConfig):
         ignore_logging_functions=ignored_logging)
 
 
+def _validate_device_lifted(query, key, value):
+    """torch's FlexAttention device check without its "no backward on CPU" refusal (see below)."""
+    if query.device.type != "cpu":
+        _FLEX_VALIDATE_DEVICE[0](query, key, value)
+
+
+_FLEX_VALIDATE_DEVICE = []  # torch's own check, saved the first time it is lifted
+
+
+@contextlib.contextmanager
+def _flex_backward_on_cpu():
+    """torch refuses to trace FlexAttention on CPU when its inputs require grad (it has no CPU backward
+    kernel); on a mesh burstc replaces every FlexAttention it recognizes by the ring op, which has one, so
+    the check is lifted while Dynamo traces (and guards) a burstc model.  A FlexAttention burstc refuses runs
+    torch's dense backward under aot_eager and fails as torch's would under Inductor.  One function object
+    stands in for the check, so Dynamo's guard on it holds from call to call."""
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    if module is None or not hasattr(module, "_validate_device"):
+        yield
+        return
+    original = module._validate_device
+    if original is not _validate_device_lifted:
+        _FLEX_VALIDATE_DEVICE[:] = [original]
+    module._validate_device = _validate_device_lifted
+    try:
+        yield
+    finally:
+        module._validate_device = original
+
+
+@contextlib.contextmanager
+def _tracing_context(config: BurstConfig, world_size: int):
+    with _tracing_config(config):
+        if world_size > 1:
+            with _flex_backward_on_cpu():
+                yield
+        else:
+            yield
+
+
 class BurstBackend:
     """``torch.compile(model, backend=BurstBackend(config, mesh, report))``.
 
@@ -49,7 +90,7 @@ class BurstBackend:
         self.world_size = world_size
         # Dynamo enters this around every call of the compiled model (so around its tracing); an instance
         # attribute, as Dynamo's backend wrapper copies __dict__ and not class attributes
-        self.backend_ctx_ctor = functools.partial(_tracing_config, config)
+        self.backend_ctx_ctor = functools.partial(_tracing_context, config, world_size)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         record = self.report.new_graph()

@@ -16,6 +16,9 @@ On one device attention is left to Inductor.
 - The manual pattern ``softmax(q @ k^T * s [+ mask | .masked_fill(mask, -inf or finfo.min)]) @ v``
   (nanoGPT's fallback, HF's ``eager_attention_forward`` with its fp32 softmax, inactive dropout and
   ``repeat_kv``) is replaced by the equivalent SDPA node (``attn_mask`` = the mask for a window or ALiBi).
+- FlexAttention (``flex_attention`` with a block mask): its ``mask_mod`` is evaluated into a MaskSpec
+  (``passes/flex_masks.py``: causal, windows, document ids from an input); the call is left as written and
+  its match, keyed by the output, is replaced whole by the ring op in the shard pass.
 - Gemma-2's soft-capped scores (``c * tanh(s / c)``) have no SDPA normal form: the manual attention is
   left as written (no graph ever loses the cap) and its match, keyed by ``probs @ v``, carries the mask
   with the :class:`SoftCap`; the shard pass replaces the whole manual attention by the ring op
@@ -46,6 +49,7 @@ from torch.fx.operator_schemas import normalize_function
 from burstc.attention_ir import AttentionMatch, MaskSpec, SoftCap
 from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
                                        is_function, is_method, set_meta, val)
+from burstc.passes.flex_masks import flex_call, flex_match, is_flex_attention
 from burstc.passes.mask_classification import CODES, classify_mask  # noqa: F401  (CODES: the attention.* codes)
 from burstc.refusals import Refusal
 
@@ -433,6 +437,12 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 folded += origin == _FOLDED
                 context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
                                                                  "notes": ", ".join(notes) or None})
+            continue
+        if is_flex_attention(node):
+            match = flex_match(gm, flex_call(gm, node))
+            context.facts.attention[match.node] = match
+            if match.refusal is not None:
+                context.skip(KIND, node, f"FlexAttention: {match.refusal.reason}", code=match.refusal.code)
             continue
         found = _match_manual(gm, node)
         match = _detect_manual(gm, node, found, context, fake_mode, memo) if found is not None else None

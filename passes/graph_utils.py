@@ -168,10 +168,49 @@ def mutated_values(graph: fx.Graph) -> set[fx.Node]:
     return set().union(*(aliases for _, aliases in in_place_writes(graph)))
 
 
+def _state_ops() -> set:
+    """Ops that change interpreter state and return nothing (no users): Dynamo records functorch's vmap
+    levels around a vmapped region (``create_block_mask`` runs one) as such calls; FX does not know them."""
+    import torch._functorch.predispatch as predispatch
+
+    return {getattr(predispatch, name) for name in ("_vmap_increment_nesting", "_vmap_decrement_nesting",
+                                                    "lazy_load_decompositions") if hasattr(predispatch, name)}
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """``graph.eliminate_dead_code()`` that also keeps in-place ops whose result is unused (FX keeps
-    only the ones it knows; e.g. it drops ``x.scatter_(...)``, which would silently change the model)."""
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n))
+    """Remove what no output depends on, keeping every in-place write into a value something live reads
+    (FX keeps only the writes it knows: it drops ``x.scatter_(...)``, which would silently change the model)
+    and dropping writes into values nothing reads any more (a block mask built in place for an attention the
+    shard pass replaced).  Calls that only change interpreter state (vmap levels) are kept."""
+    state_ops = _state_ops()
+    writes = in_place_writes(graph)
+    live = set()
+
+    def mark(root):
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            if n in live:
+                continue
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+
+    for n in graph.nodes:
+        if n.op in ("output", "placeholder") or (n.op == "call_function" and n.target in state_ops) \
+                or (n.is_impure() and not is_mutating(n)):
+            mark(n)
+    grew = True
+    while grew:  # a write matters when a live node reads what it writes (or an alias of it)
+        grew = False
+        for op, aliases in writes:
+            if op not in live and any(a in live for a in aliases if a is not op):
+                readers = {u for a in aliases for u in a.users if u in live and u is not op}
+                if readers or any(a.op == "placeholder" for a in aliases):
+                    mark(op)
+                    grew = True
+    for n in reversed(list(graph.nodes)):
+        if n not in live and not n.users:
+            graph.erase_node(n)
 
 
 class NotConstant(Exception):

@@ -227,6 +227,17 @@ _PROBE_LENGTH_STEP = 5  # the second probe length: odd steps catch parity-depend
 _FILL_LIMIT = torch.finfo(torch.float16).min / 2
 
 
+def probe_lengths(constants, below: int) -> tuple[int, int]:
+    """Two probe lengths shorter than ``below`` and longer than twice every number in ``constants`` (fill
+    values like ``finfo.min`` aside); raises ``TooLarge`` if there are none."""
+    thresholds = [abs(c) for c in constants if math.isfinite(c) and c > _FILL_LIMIT]
+    shortest = max(_MIN_PROBE_LENGTH, 2 * math.ceil(max(thresholds, default=0)) + 16)
+    if shortest + _PROBE_LENGTH_STEP >= below:
+        raise TooLarge(f"the mask is too large to evaluate at its length and it computes with numbers up to "
+                       f"{max(thresholds, default=0):g}: a shorter probe length must exceed twice that")
+    return shortest, shortest + _PROBE_LENGTH_STEP
+
+
 def evaluation_lengths(gm, mask_node, consumer, seq: int | None = None) -> tuple[LengthScaling | None, ...]:
     """``(None,)`` when the mask (as ``consumer`` reads it) can be evaluated at its traced length; else two
     :class:`LengthScaling` to shorter probe lengths.  Raises ``TooLarge`` when neither works."""
@@ -240,13 +251,9 @@ def evaluation_lengths(gm, mask_node, consumer, seq: int | None = None) -> tuple
     if len(mask_shape) < 2 or mask_shape[-2:] != (seq, seq):
         raise TooLarge(f"the mask's shape {mask_shape} is too large to evaluate and not [..., S, S]")
     scaling = LengthScaling(seq, seq)
-    thresholds = [abs(c) for c in numeric_constants(gm, order)
-                  if math.isfinite(c) and c > _FILL_LIMIT and not scaling.is_length(c)]
-    shortest = max(_MIN_PROBE_LENGTH, 2 * math.ceil(max(thresholds, default=0)) + 16)
-    lengths = tuple(LengthScaling(seq, probe) for probe in (shortest, shortest + _PROBE_LENGTH_STEP))
-    if lengths[-1].probe + LengthScaling.SLACK >= seq:
-        raise TooLarge(f"the mask at length {seq} is too large to evaluate and it computes with numbers up to "
-                       f"{max(thresholds):g}: a shorter probe length must exceed twice that")
+    probes = probe_lengths([c for c in numeric_constants(gm, order) if not scaling.is_length(c)],
+                           seq - LengthScaling.SLACK)
+    lengths = tuple(LengthScaling(seq, probe) for probe in probes)
     scaled = max(prod(lengths[-1].shape(shape)) for shape in traced)
     if scaled > limit:
         raise TooLarge(f"the mask is too large to evaluate even at length {lengths[-1].probe} ({scaled:,} elements)")

@@ -34,7 +34,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids_from_positions
+from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids_for_batch, \
+    document_ids_from_positions
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
@@ -99,7 +100,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
-            doc_ids, key_valid = _runtime_mask_data(graph, mask, fake_mode, runtime_data)
+            doc_ids, key_valid = _runtime_mask_data(graph, mask, B, fake_mode, runtime_data)
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name,
                                         doc_ids, key_valid))
@@ -234,7 +235,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)
     analyzer.attention_matches = context.facts.attention
     for match in context.facts.attention.values():
-        if match.source == "manual" and match.shardable and not is_function(match.node, SDPA):
+        if match.source in ("manual", "flex") and match.shardable and not is_function(match.node, SDPA):
             # a manual attention left as written: its insides are replaced with it, not sharded one by one
             analyzer.skip_nodes |= manual_interior(match) or set()
     try:
@@ -289,7 +290,7 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
 
 
-def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, fake_mode, cache: dict):
+def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, batch: int, fake_mode, cache: dict):
     """``(doc_ids, key_valid)`` graph values for the mask's runtime terms (None where it has none), computed
     from the replicated token inputs they name: every rank holds the whole batch's, so no communication."""
     def value(kind, source, fn, extra):
@@ -301,6 +302,10 @@ def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, fake_mode, cache: dict):
         return cache[kind, source]
 
     documents, padding = mask.term(Documents), mask.term(KeyPadding)
-    doc_ids = value("doc_ids", documents.source, document_ids_from_positions, ()) if documents else None
+    doc_ids = None
+    if documents is not None and documents.ids:
+        doc_ids = value("doc_ids", documents.source, document_ids_for_batch, (batch,))
+    elif documents is not None:
+        doc_ids = value("doc_ids", documents.source, document_ids_from_positions, ())
     key_valid = value("key_valid", padding.source, torch.ne, (0,)) if padding else None
     return doc_ids, key_valid

@@ -63,7 +63,7 @@ def test_in_place_ops_are_recognized():
         w = y.view(-1)
         w.mul_(2.0)
         torch.relu_(z)
-        return x + 1
+        return x + y.sum() + z.sum()
 
     gm = _dynamo_graph(f, torch.randn(4), torch.tensor([1]))
     described = [n.target if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
@@ -77,3 +77,21 @@ def test_in_place_ops_are_recognized():
     assert sum(is_mutating(n) for n in gm.graph.nodes) == 4  # none dropped
     gm.graph.eliminate_dead_code()  # FX's own drops the unused ones: the bug this guards against
     assert sum(is_mutating(n) for n in gm.graph.nodes) < 4
+
+
+def test_writes_into_values_nothing_reads_are_dead_code():
+    def f(x):
+        scratch = x.clone()   # written in place, then never read: dead with its writes
+        scratch.add_(1.0)
+        scratch[0] = 3.0
+        kept = x.clone()      # written in place and read: kept
+        kept.mul_(2.0)
+        return x + kept
+
+    gm = _dynamo_graph(f, torch.randn(4))
+    eliminate_dead_code(gm.graph)
+    gm.recompile()
+    remaining = [n.target for n in gm.graph.nodes if n.op in ("call_method", "call_function")]
+    assert remaining.count("clone") == 1 and "mul_" in remaining and "add_" not in remaining, remaining
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x)[0], f(x))

@@ -106,7 +106,11 @@ class Analyzer:
     def visit(self, node) -> Placement:
         """The first matching rule of the table for ``node``'s input placements decides."""
         placements = [self.place(a) for a in self.tensor_args(node)]
-        if any(isinstance(p, MergedRows) for p in placements):
+        if node in self.attention_matches:
+            # an attention replaced whole (FlexAttention's output, a manual attention left as written): its
+            # operands are the match's q/k/v, not the node's arguments (the skipped insides)
+            table = SHARDED_RULES
+        elif any(isinstance(p, MergedRows) for p in placements):
             table = MERGED_RULES
         elif any(is_sharded(p) for p in placements):
             table = SHARDED_RULES

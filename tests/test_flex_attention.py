@@ -1,0 +1,131 @@
+"""FlexAttention: the ``mask_mod`` becomes the exact MaskSpec (or a refusal with its code), and a decoder that
+builds its block mask in ``forward`` (torchtitan's flex path: causal, sliding window, ``block_causal`` document
+ids) trains sharded on CPU ranks with the single-device loss and gradients (torch itself has no CPU
+FlexAttention backward: the ring op's replaces it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from burstc.attention_ir import Causal, Documents, MaskSpec, SlidingWindow
+from burstc.passes import graph_utils
+from burstc.testing import assert_equivalent
+from burstc.testing.graphs import detect_attention_in
+from burstc.testing.zoo import flex as flex_zoo
+
+flex_module = pytest.importorskip("torch.nn.attention.flex_attention")
+create_block_mask, flex_attention = flex_module.create_block_mask, flex_module.flex_attention
+
+B, H, S, D = 2, 2, 48, 8
+
+
+def _qkv(seq=S):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, seq, D, generator=g) for _ in range(3))
+
+
+def _doc_ids(seq=S, per_row=True):
+    g = torch.Generator().manual_seed(3)
+    rows = torch.stack([torch.cumsum((torch.rand(seq, generator=g) < 0.2).to(torch.int64), 0) for _ in range(B)])
+    return rows if per_row else rows[0]
+
+
+def _detect(mask_mod, *, docs=None, seq=S, **flex_kwargs):
+    """detect_attention on ``flex_attention(q, k, v, block_mask(mask_mod))`` -> (the one match, output, eager)."""
+    def attention(q, k, v, docs):
+        block_mask = create_block_mask(lambda b, h, qi, ki: mask_mod(b, h, qi, ki, docs), B, None, seq, seq,
+                                       device="cpu")
+        out = flex_attention(q, k, v, block_mask=block_mask, **flex_kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    inputs = (*_qkv(seq), docs if docs is not None else torch.zeros(1))
+    _, context, got = detect_attention_in(attention, *inputs)
+    (match,) = context.facts.attention.values()
+    return match, context, got, attention(*inputs)
+
+
+MASKS = {
+    "causal": (lambda b, h, q, k, d: q >= k, MaskSpec.causal()),
+    "window": (lambda b, h, q, k, d: (q >= k) & (q - k < 5), MaskSpec.causal() & SlidingWindow(4)),
+    "band": (lambda b, h, q, k, d: (k - q <= 3) & (q - k <= 2), MaskSpec((SlidingWindow(2, 3),))),
+    "full": (lambda b, h, q, k, d: q >= 0, MaskSpec.full()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_static_mask_mod_becomes_its_exact_spec(name):
+    mask_mod, expected = MASKS[name]
+    match, context, got, want = _detect(mask_mod)
+    assert match.mask == expected and match.refusal is None and match.shardable
+    assert match.source == "flex" and match.heads_q == H and match.scale == pytest.approx(D ** -0.5)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["ids_BS", "ids_S"])
+def test_document_ids_input_becomes_a_runtime_documents_term(per_row):
+    docs = _doc_ids(per_row=per_row)
+    index = (lambda b, q: docs[b, q]) if per_row else (lambda b, q: docs[q])
+    match, _, got, want = _detect(lambda b, h, q, k, d: (q >= k) & (index(b, q) == index(b, k)), docs=docs)
+    assert match.refusal is None and match.shardable
+    (causal, documents) = match.mask.terms
+    assert causal == Causal() and isinstance(documents, Documents) and documents.ids
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("mask_mod, code", [
+    (lambda b, h, q, k, d: (q >= k) & (q // 8 == k // 8), "attention.flex_mask"),       # chunked: no MaskSpec
+    (lambda b, h, q, k, d: (q >= k) & (d[b, q] <= d[b, k]), "attention.flex_mask"),      # not an equality of ids
+], ids=["chunked", "ids_not_compared_for_equality"])
+def test_mask_mod_that_is_no_spec_is_refused(mask_mod, code):
+    match, context, got, want = _detect(mask_mod, docs=_doc_ids())
+    assert match.refusal is not None and match.refusal.code == code, match.refusal
+    assert not match.shardable and code in [s.code for s in context.report.skipped]
+    torch.testing.assert_close(got, want)
+
+
+def test_score_mod_and_returned_lse_are_refused():
+    def soft_cap(score, b, h, q, k):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    match, _, _, _ = _detect(MASKS["causal"][0], score_mod=soft_cap)
+    assert match.refusal.code == "attention.flex_score_mod"
+    match, _, _, _ = _detect(MASKS["causal"][0], return_lse=True)
+    assert match.refusal.code == "attention.flex_outputs"
+
+
+def test_long_mask_mod_is_classified_at_two_probe_lengths(monkeypatch):
+    monkeypatch.setattr(graph_utils, "FULL_EVALUATION_LIMIT", 5000)  # below B * H * 48 * 48
+    match, _, _, _ = _detect(MASKS["window"][0])
+    assert match.mask == MaskSpec.causal() & SlidingWindow(4)
+    docs = _doc_ids()
+    match, _, _, _ = _detect(lambda b, h, q, k, d: (q >= k) & (d[b, q] == d[b, k]), docs=docs)
+    assert match.refusal is None and match.mask.term(Documents).ids
+    # a window of 20 needs probes longer than 2 * 20: none fits under 48 tokens
+    match, _, _, _ = _detect(lambda b, h, q, k, d: (q >= k) & (q - k < 20))
+    assert match.refusal.code == "attention.flex_mask"
+
+
+# -- trained sharded on gloo ranks vs the single-device eager model ---------------------------------------------
+
+TRAINED = {
+    "causal": (flex_zoo.flex_causal, {"causal (FlexAttention mask_mod)"}),
+    "window": (flex_zoo.flex_window, {f"causal&window({flex_zoo.WINDOW - 1},-) (FlexAttention mask_mod)"}),
+    "documents": (flex_zoo.flex_documents, {"causal&document_ids(l_doc_ids_) (FlexAttention mask_mod)"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_flex_decoder_is_sharded_and_exact(workers, name):
+    model_fn, masks = TRAINED[name]
+    results = assert_equivalent(model_fn, flex_zoo.flex_inputs, flex_zoo.flex_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", expect_sharded=True, timeout=600)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("attention") == flex_zoo.LAYERS and "shard" in kinds
+    assert set(results[0]["attention_masks"]) == masks, results[0]["attention_masks"]
+
+
+def test_flex_documents_on_four_ranks_striped(workers):
+    results = assert_equivalent(flex_zoo.flex_documents, flex_zoo.flex_inputs, flex_zoo.flex_loss, world_size=4,
+                                group=workers.get(4), backend="aot_eager", expect_sharded=True, timeout=600,
+                                layout="striped", attention_plan="kv_ring")
+    assert [k for k, _ in results[0]["rewrites"]].count("attention") == flex_zoo.LAYERS
