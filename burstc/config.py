@@ -8,6 +8,7 @@ from burstc.layout import LAYOUTS
 
 BACKENDS = ("inductor", "aot_eager")
 ATTENTION_PLANS = ("auto", "kv_ring", "burst")
+CHECKPOINT_MODES = ("none", "layers", "selective")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,11 @@ class BurstConfig:
     forward: tensor values are those of the model without checkpointing.  ``True`` keeps torch.compile's
     default (a graph break per checkpointed layer, so no sharding across them)."""
 
+    checkpoint: str = "none"
+    """Activation checkpointing burstc adds on a mesh (``passes/checkpoint_layers.py``): ``"none"``,
+    ``"layers"`` (each decoder layer recomputed in the backward, ring attention included) or ``"selective"``
+    (layers recomputed, each ring attention's output and LSE kept: the recomputation never runs the ring)."""
+
     fullgraph: bool = False
     """Passed to torch.compile."""
 
@@ -66,6 +72,7 @@ class BurstConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("layout", self.layout, LAYOUTS)
         _check_choice("attention_plan", self.attention_plan, ATTENTION_PLANS)
+        _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         if isinstance(self.disable_passes, str):
             object.__setattr__(self, "disable_passes", (self.disable_passes,))
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

@@ -72,6 +72,10 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("shard", "dynamo", True,
              "sequence-parallel lowering: this rank's tokens, ring attention, global loss normalizer",
              consumes=("attention", "dropped_outputs"), produces=("sharding",)),
+    PassSpec("checkpoint_layers", "dynamo", True,
+             "checkpoint='layers' / 'selective': decoder layers tagged for recomputation (selective: the ring "
+             "attention's outputs kept)", consumes=("sharding", "checkpoint_regions"),
+             produces=("checkpoint_regions",)),
     PassSpec("outline_checkpoints", "dynamo", True,
              "inlined checkpoint regions restored around the rewritten nodes",
              consumes=("checkpoint_regions",)),

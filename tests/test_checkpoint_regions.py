@@ -142,3 +142,62 @@ def test_side_effect_in_a_checkpointed_layer(replay):
     else:
         assert graphs == 1 and _CountingLayer.calls == 2
     assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint is False  # not leaked
+
+
+# -- burstc's own checkpointing: checkpoint="layers" / "selective" ----------------------------------------------
+
+
+def checkpoint_mode_task(rank, world_size, model_fn, inputs_fn, loss_fn, modes):
+    """Per mode: ring forwards in the lowered backward graph, values the forward saves, the tagged layers."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    found = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        cmodel = burstc.compile(model_fn(), init_device_mesh("cpu", (world_size,)), backend="aot_eager",
+                                checkpoint=mode)
+        loss_fn(cmodel, inputs_fn()).backward()
+        report = burstc.report(cmodel)
+        found[mode] = dict(
+            backward_ring_forwards=_ops(report.graphs["backward"], RING_FORWARD),
+            forward_outputs=len(list(report.graphs["forward"].graph.output_node().args[0])),
+            layers=[r.details["layer"] for r in report.rewrites if r.kind == "checkpoint_layers"],
+            regions=[r.details["restored"] for r in report.rewrites if r.kind == "checkpoint_region"])
+    return found
+
+
+MODE_CASES = {
+    "titan_llama": (zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss),
+    "hf_llama": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_no_cache),
+    # the model's own checkpointing, made selective: its ring attention is kept, not recomputed
+    "hf_llama_checkpointed": (zoo.hf_llama_checkpointed, zoo.hf_inputs, zoo.hf_loss_default),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODE_CASES))
+def test_checkpoint_modes_recompute_layers_and_selective_keeps_the_ring(workers, name):
+    if name.startswith("hf"):
+        pytest.importorskip("transformers")
+    model_fn, inputs_fn, loss_fn = MODE_CASES[name]
+    for found in workers.get(2).run(checkpoint_mode_task, model_fn, inputs_fn, loss_fn,
+                                    ("none", "layers", "selective")):
+        none, layers, selective = found["none"], found["layers"], found["selective"]
+        own = name.endswith("checkpointed")
+        assert len(layers["regions"]) == 2 and len(selective["regions"]) == 2, found
+        # burstc tags the decoder layers itself, unless the model checkpoints them already
+        assert layers["layers"] == ([] if own else ["model.layers.0", "model.layers.1"]), layers["layers"]
+        # layers: each ring forward runs again in the backward; selective: never
+        assert layers["backward_ring_forwards"] == 2 and selective["backward_ring_forwards"] == 0
+        assert none["backward_ring_forwards"] == (2 if own else 0)
+        # what the forward saves: selective keeps O and LSE per layer on top of the layers' inputs
+        assert layers["forward_outputs"] + 4 == selective["forward_outputs"]
+        assert selective["forward_outputs"] < none["forward_outputs"] or own
+
+
+@pytest.mark.parametrize("mode", ["layers", "selective"])
+def test_checkpoint_modes_match_single_device(workers, mode):
+    results = assert_equivalent(zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", checkpoint=mode)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("checkpoint_layers") == 2 and kinds.count("checkpoint_region") == 2, kinds
