@@ -15,23 +15,28 @@ def _ops(gm, name):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
 
 
-def checkpoint_task(rank, world_size, model_fn, inputs_fn, loss_fn):
-    """The lowered graphs of a checkpointed and a plain compile of the same model."""
+def _checkpointing_facts(world_size, model, inputs_fn, loss_fn, **options) -> dict:
+    """One training step of ``burstc.compile(model, mesh, **options)`` -> ring forwards in the lowered backward
+    graph, values the forward saves, the layers burstc tagged, the regions restored / kept inlined."""
     import burstc
     from torch.distributed.device_mesh import init_device_mesh
 
-    found = {}
-    for label, fn in (("checkpointed", model_fn), ("plain", _plain[model_fn.__name__])):
-        torch._dynamo.reset()
-        cmodel = burstc.compile(fn(), init_device_mesh("cpu", (world_size,)), backend="aot_eager")
-        loss_fn(cmodel, inputs_fn()).backward()
-        report = burstc.report(cmodel)
-        found[label] = dict(
-            backward_ring_forwards=_ops(report.graphs["backward"], RING_FORWARD),
-            forward_outputs=len(list(report.graphs["forward"].graph.output_node().args[0])),
-            regions=[r.details["restored"] for r in report.rewrites if r.kind == "checkpoint_region"],
-            kept=[s.reason for s in report.skipped if s.kind == "checkpoint_region"])
-    return found
+    torch._dynamo.reset()
+    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager", **options)
+    loss_fn(cmodel, inputs_fn()).backward()
+    report = burstc.report(cmodel)
+    return dict(
+        backward_ring_forwards=_ops(report.graphs["backward"], RING_FORWARD),
+        forward_outputs=len(list(report.graphs["forward"].graph.output_node().args[0])),
+        layers=[r.details["layer"] for r in report.rewrites if r.kind == "checkpoint_layers"],
+        regions=[r.details["restored"] for r in report.rewrites if r.kind == "checkpoint_region"],
+        kept=[s.reason for s in report.skipped if s.kind == "checkpoint_region"])
+
+
+def checkpoint_task(rank, world_size, model_fn, inputs_fn, loss_fn):
+    """The lowered graphs of a checkpointed and a plain compile of the same model."""
+    return {label: _checkpointing_facts(world_size, fn(), inputs_fn, loss_fn)
+            for label, fn in (("checkpointed", model_fn), ("plain", _plain[model_fn.__name__]))}
 
 
 _plain = {"hf_llama_checkpointed": zoo.hf_llama, "titan_llama_checkpointed": zoo.titan_llama}
@@ -148,23 +153,9 @@ def test_side_effect_in_a_checkpointed_layer(replay):
 
 
 def checkpoint_mode_task(rank, world_size, model_fn, inputs_fn, loss_fn, modes):
-    """Per mode: ring forwards in the lowered backward graph, values the forward saves, the tagged layers."""
-    import burstc
-    from torch.distributed.device_mesh import init_device_mesh
-
-    found = {}
-    for mode in modes:
-        torch._dynamo.reset()
-        cmodel = burstc.compile(model_fn(), init_device_mesh("cpu", (world_size,)), backend="aot_eager",
-                                checkpoint=mode)
-        loss_fn(cmodel, inputs_fn()).backward()
-        report = burstc.report(cmodel)
-        found[mode] = dict(
-            backward_ring_forwards=_ops(report.graphs["backward"], RING_FORWARD),
-            forward_outputs=len(list(report.graphs["forward"].graph.output_node().args[0])),
-            layers=[r.details["layer"] for r in report.rewrites if r.kind == "checkpoint_layers"],
-            regions=[r.details["restored"] for r in report.rewrites if r.kind == "checkpoint_region"])
-    return found
+    """Per ``checkpoint=`` mode, the facts of one training step."""
+    return {mode: _checkpointing_facts(world_size, model_fn(), inputs_fn, loss_fn, checkpoint=mode)
+            for mode in modes}
 
 
 MODE_CASES = {
