@@ -405,6 +405,33 @@ def test_logs_carry_the_rank_once_per_line_and_dump_files_per_rank(workers, tmp_
     assert not list(tmp_path.glob("*.py"))  # nothing written outside the rank folders
 
 
+def test_a_failed_or_expired_wait_names_the_peer():
+    from burstc.errors import PeerFailure, wait_for_peer
+
+    class Work:
+        def __init__(self, outcome):
+            self.outcome, self.timeouts = outcome, []
+
+        def wait(self, *timeout):
+            self.timeouts.append(timeout)
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    ok = Work(True)
+    wait_for_peer(ok, 2.5, "rank 0 waited to receive from rank 1", "hint")
+    assert ok.timeouts == [(datetime.timedelta(seconds=2.5),)]
+    wait_for_peer(ok, None, "unused", "hint")  # None: the process group's own timeout, no argument
+    assert ok.timeouts[-1] == ()
+    with pytest.raises(PeerTimeout, match=r"receive from rank 1 and failed \(burstc timeout=2.5 s\)\. Is it alive"):
+        wait_for_peer(Work(False), 2.5, "rank 0 waited to receive from rank 1", "Is it alive?")
+    with pytest.raises(PeerTimeout, match="Timed out waiting 2500ms"):
+        wait_for_peer(Work(RuntimeError("Timed out waiting 2500ms for recv")), 2.5, "waited", "hint")
+    with pytest.raises(PeerFailure, match="process group's timeout.*Connection reset") as failure:
+        wait_for_peer(Work(RuntimeError("Connection reset by peer")), None, "waited", "hint")
+    assert not isinstance(failure.value, PeerTimeout)
+
+
 def test_timeout_option_is_validated():
     assert burstc.BurstConfig(timeout=datetime.timedelta(seconds=90)).timeout == 90.0
     for bad in (0, -1, True, "3s", float("inf")):
