@@ -69,7 +69,9 @@ class BurstConfig:
     ring attention's transfers, the ``check_inputs`` check) may take before raising
     :class:`burstc.errors.PeerTimeout` naming the rank waited for.  ``None``: the process group's timeout
     (``dist.init_process_group(timeout=)``, 30 minutes by default).  Per process group: the last
-    ``burstc.compile`` on a mesh sets it for every model compiled on that mesh."""
+    ``burstc.compile`` on a mesh sets it for every model compiled on that mesh.  With NCCL a bounded wait
+    blocks the CPU until the transfer is done (the default wait only orders the CUDA streams), so set it to
+    debug a stall rather than in production runs."""
 
     def __post_init__(self):
         from burstc.passes import PASS_ORDER
