@@ -1,9 +1,10 @@
 """burstc: compiler passes over torch.compile graphs for long-sequence causal-LM training."""
 from burstc.api import compile, report
 from burstc.config import BurstConfig
+from burstc.errors import MeshError, PeerFailure, PeerTimeout
 from burstc.ops.ring_attention import ring_attention, ring_attention_with_lse
 from burstc.report import Report, RewriteRecord, SkipRecord
 
-__all__ = ["compile", "report", "BurstConfig", "Report", "RewriteRecord", "SkipRecord", "ring_attention",
-           "ring_attention_with_lse"]
+__all__ = ["compile", "report", "BurstConfig", "MeshError", "PeerFailure", "PeerTimeout", "Report", "RewriteRecord",
+           "SkipRecord", "ring_attention", "ring_attention_with_lse"]
 __version__ = "0.1.0"

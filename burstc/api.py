@@ -5,6 +5,7 @@ import torch
 
 from burstc.backend import BurstBackend
 from burstc.config import BurstConfig
+from burstc.errors import MeshError, check_rank_in_mesh, describe_mesh
 from burstc.report import Report
 
 _REPORT_ATTR = "_burstc_report"
@@ -21,13 +22,15 @@ def _world_size_of(mesh) -> int:
     if mesh.size() == 1:
         return 1
     if not dist.is_initialized():
-        raise RuntimeError("burstc.compile: the mesh's process group is not initialized; call "
-                           "dist.init_process_group (torchrun does it for you) before building the mesh")
+        raise MeshError(f"burstc.compile: the process group of {describe_mesh(mesh)} is not initialized; call "
+                        "dist.init_process_group (torchrun does it for you) before building the mesh")
     if mesh.size() > dist.get_world_size():
-        raise ValueError(f"burstc.compile: mesh of {mesh.size()} ranks in a world of {dist.get_world_size()}")
+        raise MeshError(f"burstc.compile: {describe_mesh(mesh)} is larger than the world of "
+                        f"{dist.get_world_size()} ranks; build it over at most the world's ranks")
     if mesh.ndim != 1:
         raise NotImplementedError(f"burstc.compile: a {mesh.ndim}-D mesh (double ring) is not supported yet; "
                                   "pass a 1-D mesh")
+    check_rank_in_mesh(mesh)
     return mesh.size()
 
 
@@ -64,6 +67,10 @@ def compile(model, mesh=None, **options):
     """
     config = BurstConfig.from_options(options)
     world_size = _world_size_of(mesh)
+    if world_size > 1:
+        from burstc.ops.ring_comm import set_wait_timeout
+
+        set_wait_timeout(mesh.get_group().group_name, config.timeout)
     if world_size > 1 and config.sync_module_states and isinstance(model, torch.nn.Module):
         broadcast_module_states(model, mesh)
     report = Report(config, world_size=world_size)

@@ -12,8 +12,9 @@ import torch.fx as fx
 
 from burstc._logging import dump_graph
 from burstc.config import BurstConfig
+from burstc.errors import check_mesh_alive
 from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, note_padded_fallback, \
-    reinsert_dropped_outputs
+    reinsert_dropped_outputs, watch_recompile_limit
 from burstc.lowering import lower
 from burstc.pass_context import GraphFacts, PassContext
 from burstc.passes import run_stage
@@ -65,13 +66,15 @@ def _flex_backward_on_cpu():
 
 
 @contextlib.contextmanager
-def _tracing_context(config: BurstConfig, world_size: int):
-    with _tracing_config(config):
-        if world_size > 1:
-            with _flex_backward_on_cpu():
-                yield
-        else:
-            yield
+def _calling(config: BurstConfig, report: Report, mesh, world_size: int):
+    """Around every call of a burstc model: its mesh must still be usable, Dynamo traces with
+    :func:`_tracing_config` (and, on a mesh, FlexAttention's CPU backward check lifted), and a recompile
+    limit hit during the call is reported."""
+    if world_size > 1:
+        check_mesh_alive(mesh)
+    flex = _flex_backward_on_cpu() if world_size > 1 else contextlib.nullcontext()
+    with _tracing_config(config), flex, watch_recompile_limit(report):
+        yield
 
 
 class BurstBackend:
@@ -90,7 +93,7 @@ class BurstBackend:
         self.world_size = world_size
         # Dynamo enters this around every call of the compiled model (so around its tracing); an instance
         # attribute, as Dynamo's backend wrapper copies __dict__ and not class attributes
-        self.backend_ctx_ctor = functools.partial(_tracing_context, config, world_size)
+        self.backend_ctx_ctor = functools.partial(_calling, config, report, mesh, world_size)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         record = self.report.new_graph()
@@ -166,7 +169,7 @@ class BurstBackend:
         # ``_boxed_call`` says; so does this wrapper (no functools.wraps: it would copy that flag)
         def run(*args):
             if check_positions:
-                check_same_inputs_on_all_ranks([args[i] for i in check_positions], self.mesh)
+                check_same_inputs_on_all_ranks([args[i] for i in check_positions], self.mesh, self.config.timeout)
             outputs = compiled(*args)
             return reinsert_dropped_outputs(outputs, dropped) if dropped else outputs
 

@@ -45,21 +45,41 @@ def _build_model(args):
     return model, loss_of
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _check_shapes(parser: argparse.ArgumentParser, args) -> None:
+    """The model's shape constraints, as argparse errors instead of tracebacks from deep inside the model."""
+    if args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads} (the head dimension is dim / heads)")
+    if (args.dim // args.heads) % 2:
+        parser.error(f"--dim / --heads = {args.dim // args.heads} must be even (rotary embeddings rotate pairs)")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+
+
 def _parser():
     parser = argparse.ArgumentParser(prog="burstc demo", description=(
         "Train a small random-init causal LM on synthetic long sequences with burstc.compile, the sequence "
         "sharded over P gloo ranks (spawned here, or launched by torchrun), and print the loss of step 0 "
         "next to the single-device eager loss, tokens/s, peak memory and bytes sent per rank, and the report."))
-    parser.add_argument("--ranks", type=int, default=2, help="sequence-parallel ranks (ignored under torchrun)")
+    parser.add_argument("--ranks", type=_positive_int, default=2, help="sequence-parallel ranks (ignored under torchrun)")
     parser.add_argument("--model", choices=["titan-llama", "hf-llama"], default="titan-llama")
-    parser.add_argument("--seq-len", type=int, default=16384)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=_positive_int, default=16384)
+    parser.add_argument("--batch", type=_positive_int, default=1)
+    parser.add_argument("--steps", type=_positive_int, default=3)
+    parser.add_argument("--dim", type=_positive_int, default=64)
+    parser.add_argument("--layers", type=_positive_int, default=2)
+    parser.add_argument("--heads", type=_positive_int, default=4)
+    parser.add_argument("--kv-heads", type=_positive_int, default=2)
+    parser.add_argument("--vocab", type=_positive_int, default=8192)
     parser.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
     parser.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager")
     parser.add_argument("--seed", type=int, default=0)
@@ -148,7 +168,9 @@ def _demo_rank(rank: int, world_size: int, args, init_method: str | None):
 def demo(argv=None) -> int:
     import os
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_shapes(parser, args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         import torch.distributed as dist
 

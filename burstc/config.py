@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 
 from burstc.layout import LAYOUTS
 
@@ -21,7 +22,8 @@ class BurstConfig:
 
     keep_logits: bool | None = None
     """When the graph returns the logits only as an output (HF models do), ``False`` has the fused LM-head
-    loss return ``None`` in their place (they are never materialized) and ``True`` keeps them.  ``None``
+    loss return a stand-in in their place (they are never materialized; any use of the stand-in raises an
+    error that explains this option) and ``True`` keeps them.  ``None``
     (default) drops them from graphs compiled with gradients enabled (training) and keeps them in graphs
     compiled under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, where the logits are
     usually wanted), as Liger-Kernel drops them only in training."""
@@ -64,7 +66,18 @@ class BurstConfig:
     """Passed to torch.compile."""
 
     dynamic: bool | None = False
-    """Passed to torch.compile (default static shapes: the passes plan for concrete lengths)."""
+    """Passed to torch.compile (default static shapes: the passes plan for concrete lengths).  On a mesh, a
+    graph whose sequence length is symbolic (``True``, or ``None`` after a second length) is not sharded: the
+    shard pass refuses it (code ``shard.dynamic_length``) and it runs replicated, correct but unsharded."""
+
+    timeout: float | None = None
+    """On a mesh, seconds (or a ``datetime.timedelta``) that any wait for another rank inside burstc's ops (the
+    ring attention's transfers, the ``check_inputs`` check) may take before raising
+    :class:`burstc.errors.PeerTimeout` naming the rank waited for.  ``None``: the process group's timeout
+    (``dist.init_process_group(timeout=)``, 30 minutes by default).  Per process group: the last
+    ``burstc.compile`` on a mesh sets it for every model compiled on that mesh.  With NCCL a bounded wait
+    blocks the CPU until the transfer is done (the default wait only orders the CUDA streams), so set it to
+    debug a stall rather than in production runs."""
 
     def __post_init__(self):
         from burstc.passes import PASS_ORDER
@@ -86,6 +99,14 @@ class BurstConfig:
                 raise ValueError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic not in (None, True, False):
             raise ValueError(f"option 'dynamic' must be None or a bool, got {self.dynamic!r}")
+        timeout = self.timeout
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+            object.__setattr__(self, "timeout", timeout)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0 or timeout == float("inf")):
+            raise ValueError(f"option 'timeout' must be a positive number of seconds, a timedelta or None, "
+                             f"got {self.timeout!r}")
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")

@@ -5,19 +5,29 @@
   the assumption (once, on the first such call; unsharded), with a warning and a report line.
 - :func:`check_same_inputs_on_all_ranks`: ``check_inputs``: the ranks of a sharded graph must all
   have been given the same batch.
-- :func:`reinsert_dropped_outputs`: outputs a pass dropped (``facts.dropped_outputs``) come back as
-  ``None`` in their original positions.
+- :func:`reinsert_dropped_outputs`: outputs a pass dropped (``facts.dropped_outputs``: the logits the fused
+  LM-head loss never materialized) come back as :data:`DROPPED_LOGITS` in their original positions, a
+  stand-in whose every use raises an error that explains ``keep_logits``.
+- :func:`watch_recompile_limit`: torch.compile's recompile limit hit while a burstc model is called (later
+  calls of new shapes run eagerly: unsharded) is a warning and a report line.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 from typing import Callable
 
 import torch
 
 from burstc._logging import log_event
-from burstc.refusals import PIPELINE
+from burstc.errors import describe_mesh, wait_for_peer
+from burstc.refusals import PIPELINE, register_codes
 from burstc.report import Report, SkipRecord
+
+GUARD_CODES = register_codes("pipeline", {
+    "recompile_limit": "torch.compile's recompile limit was hit: calls with new shapes run eagerly (unsharded)",
+})
 
 
 def all_ones_guarded(compiled: Callable, positions: tuple[int, ...], compile_fallback: Callable) -> Callable:
@@ -46,10 +56,11 @@ def note_padded_fallback(report: Report, graph_id: int, input_names: str) -> Non
     warnings.warn(f"burstc: {message}", stacklevel=3)
 
 
-def check_same_inputs_on_all_ranks(tensors, mesh) -> None:
+def check_same_inputs_on_all_ranks(tensors, mesh, timeout_s: float | None = None) -> None:
     """``check_inputs``: all-reduces (max of the hash and of its negation) of a cheap position-weighted hash of
     the token inputs; ranks given different batches get a clear error instead of a silently wrong loss.
-    The digest lives on the inputs' device (NCCL reduces only GPU tensors)."""
+    The digest lives on the inputs' device (NCCL reduces only GPU tensors).  The wait for the other ranks
+    is bounded by ``timeout_s`` (``None``: the process group's timeout)."""
     import torch.distributed as dist
 
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -61,8 +72,13 @@ def check_same_inputs_on_all_ranks(tensors, mesh) -> None:
         digest[1] += flat.numel()
     group = mesh.get_group()
     high, low = digest.clone(), -digest
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(low, op=dist.ReduceOp.MAX, group=group)
+    rank = dist.get_rank()
+    others = [r for r in mesh.mesh.flatten().tolist() if r != rank]
+    who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+    for tensor in (high, low):
+        wait_for_peer(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
+                      f"burstc check_inputs: rank {rank} waited for {who} of {describe_mesh(mesh)} to join the "
+                      "input check", "Every rank of the mesh must call the compiled model, with the same batch")
     if not torch.equal(high, -low):
         raise RuntimeError(
             "burstc: the ranks were given different batches: every rank must get the full, identical batch "
@@ -70,8 +86,98 @@ def check_same_inputs_on_all_ranks(tensors, mesh) -> None:
             "check_inputs=False turns this check off")
 
 
+class LogitsDroppedError(AttributeError):
+    """A use of the logits that the fused LM-head loss never materialized (an AttributeError, so that
+    ``hasattr`` and ``getattr(x, name, default)`` on them still answer)."""
+
+
+class DroppedLogits:
+    """What the compiled model returns in place of logits it never materialized (``keep_logits``)."""
+
+    MESSAGE = ("burstc: these logits were never computed: burstc fused the LM head into the loss, so a model "
+               "compiled with gradients enabled (training) returns this stand-in instead of the [B, S, vocab] "
+               "logits. Pass keep_logits=True to burstc.compile to keep them (they then cost their memory), or "
+               "call the model under torch.no_grad() / torch.inference_mode() (evaluation keeps them)")
+
+    def __getattr__(self, name):
+        raise LogitsDroppedError(f"{self.MESSAGE} (read attribute {name!r})")
+
+    def __getitem__(self, key):
+        raise LogitsDroppedError(f"{self.MESSAGE} (indexed)")
+
+    def __iter__(self):
+        raise LogitsDroppedError(f"{self.MESSAGE} (iterated)")
+
+    def __len__(self):
+        raise LogitsDroppedError(f"{self.MESSAGE} (len())")
+
+    def __bool__(self):
+        raise LogitsDroppedError(f"{self.MESSAGE} (truth value)")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise LogitsDroppedError(f"{cls.MESSAGE} (passed to {getattr(func, '__name__', func)})")
+
+    def _arithmetic(self, *_):
+        raise LogitsDroppedError(f"{self.MESSAGE} (arithmetic)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _arithmetic
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = _arithmetic
+
+    def __repr__(self):
+        return "<logits dropped by burstc's fused LM-head loss; burstc.compile(..., keep_logits=True) keeps them>"
+
+
+DROPPED_LOGITS = DroppedLogits()
+
+
 def reinsert_dropped_outputs(outputs, dropped: tuple[int, ...]):
     values = list(outputs)
     for index in sorted(dropped):
-        values.insert(index, None)
+        values.insert(index, DROPPED_LOGITS)
     return type(outputs)(values) if isinstance(outputs, tuple) else values
+
+
+# the reports of the burstc models being called, innermost last (Dynamo compiles on the calling thread)
+_CALLING: list[Report] = []
+_DYNAMO_FRAME_LOG = "torch._dynamo.convert_frame"
+
+
+class _RecompileLimitHandler(logging.Handler):
+    """Sees Dynamo's "hit config.recompile_limit" warning and reports it to the burstc model being called."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _CALLING or "hit config." not in str(record.msg) or len(record.args or ()) < 3:
+            return
+        limit_type, limit, function = record.args[:3]
+        note_recompile_limit(_CALLING[-1], str(limit_type), limit, str(function))
+
+
+_HANDLER = _RecompileLimitHandler(level=logging.WARNING)
+
+
+@contextlib.contextmanager
+def watch_recompile_limit(report: Report):
+    logger = logging.getLogger(_DYNAMO_FRAME_LOG)
+    if _HANDLER not in logger.handlers:
+        logger.addHandler(_HANDLER)
+    _CALLING.append(report)
+    try:
+        yield
+    finally:
+        _CALLING.pop()
+
+
+def note_recompile_limit(report: Report, limit_type: str, limit, function: str) -> None:
+    """Once per function and limit: a report line and a warning."""
+    if any(s.code == GUARD_CODES.recompile_limit and s.node == function for s in report.skipped):
+        return
+    message = (f"torch.compile hit torch._dynamo.config.{limit_type} ({limit}) for {function}: calls with a new "
+               "shape now run eagerly, unsharded and unfused (correct, but the whole sequence on every rank). "
+               "Use fewer distinct lengths (pad to a few buckets) or raise "
+               f"torch._dynamo.config.{limit_type}")
+    graph_id = max(len(report.graph_records) - 1, 0)
+    report.skipped.append(SkipRecord("recompile_limit", function, "", message, graph_id, "backend",
+                                     GUARD_CODES.recompile_limit))
+    log_event("rewrites", "%s", message)
+    warnings.warn(f"burstc: {message}", stacklevel=2)

@@ -24,7 +24,8 @@ weights, legacy ``size_average``/``reduce``), or a class dim other than the voca
 skipped with its reason.
 
 Logits that are only returned as a graph output (raw, or as scaled, soft-capped or upcast on their way to
-the loss: Gemma-2, Cohere and Granite return those) are dropped (``None`` is returned in their place) in a
+the loss: Gemma-2, Cohere and Granite return those) are dropped (``burstc.guards.DROPPED_LOGITS``, a stand-in
+whose every use raises an error that explains ``keep_logits``, is returned in their place) in a
 graph compiled for training, kept in one compiled under no_grad (evaluation), or as ``keep_logits``
 says; logits that anything else uses are kept, and the report says so.
 
@@ -457,7 +458,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 logits_note = "kept: compiled without gradients (evaluation; keep_logits=False drops them)"
             else:
                 drop_from_outputs.extend(n for n in used_outside if output_node in n.users)
-                logits_note = "dropped: returned as None (keep_logits=True keeps them)"
+                logits_note = "dropped: returned as a stand-in that explains keep_logits (True keeps them)"
         context.rewrite(KIND, fused, {
             "tokens": num_tokens, "vocab": vocab, "hidden": hidden_size,
             "dtype": str(hidden_val.dtype).replace("torch.", ""),
@@ -475,7 +476,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
 
 def drop_graph_outputs(output_node: fx.Node, nodes: list[fx.Node], earlier: tuple[int, ...] = ()
                        ) -> tuple[int, ...]:
-    """Remove ``nodes`` from the graph's output tuple; the backend returns None in their place.
+    """Remove ``nodes`` from the graph's output tuple; the backend returns a stand-in in their place.
 
     Returns the positions dropped so far in the *original* output tuple (``facts.dropped_outputs``):
     ``earlier`` (drops by earlier passes) merged with these."""

@@ -230,6 +230,13 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     except ValueError as why:
         context.skip(KIND, "graph", f"{why}; the graph runs unsharded", module="", code=CODES.sequence_length)
         return gm
+    if not isinstance(seq_len, int):
+        context.skip(KIND, "graph", f"the sequence length is symbolic ({seq_len}): the model was compiled with "
+                     "dynamic=True, or dynamic=None after a second length, and the ring attention plans for a "
+                     "concrete length; the graph runs unsharded (replicated on every rank). burstc.compile's "
+                     "default dynamic=False shards every length (one graph per length)", module="",
+                     code=CODES.dynamic_length)
+        return gm
     multiple = required_multiple(context.world_size, config.layout)
     padded_len = -(-seq_len // multiple) * multiple
     analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import burstc
+from burstc.guards import DROPPED_LOGITS
 from burstc.testing import assert_same_training_step
 from burstc.testing.zoo import GPT, GPTConfig
 
@@ -41,7 +42,7 @@ def test_hf_llama(backend):
         return out.loss
 
     assert_same_training_step(model, run, compiled_run)
-    assert outputs["logits"] is None  # never materialized
+    assert outputs["logits"] is DROPPED_LOGITS  # never materialized
     rep = _check_single_rewrite(cmodel)
     assert rep.rewrites[0].module_path == "lm_head"
 
@@ -76,7 +77,7 @@ def test_nanogpt(attention, backend):
     cmodel = burstc.compile(model, backend=backend)
     assert_same_training_step(model, lambda m: m(x, y)[1], lambda: cmodel(x, y)[1])
     _check_single_rewrite(cmodel)
-    assert cmodel(x, y)[0] is None
+    assert cmodel(x, y)[0] is DROPPED_LOGITS
 
 
 def test_nanogpt_bf16():
@@ -120,7 +121,7 @@ def test_inference_forward_only():
     assert "backward" not in rep.graphs
 
     train_out = cmodel(input_ids=ids, labels=ids, use_cache=False)
-    assert train_out.logits is None
+    assert train_out.logits is DROPPED_LOGITS
     train_out.loss.backward()
     torch.testing.assert_close(train_out.loss, ref.loss)
     rep = burstc.report(cmodel)
@@ -135,7 +136,7 @@ def test_inference_keep_logits_false_drops_them():
     with torch.inference_mode():
         out = cmodel(input_ids=ids, labels=ids, use_cache=False)
         ref = model(input_ids=ids, labels=ids, use_cache=False)
-    assert out.logits is None
+    assert out.logits is DROPPED_LOGITS
     torch.testing.assert_close(out.loss, ref.loss)
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import burstc
 from burstc.passes.fuse_lm_head_loss import CODES
+from burstc.guards import DROPPED_LOGITS
 from burstc.testing import assert_same_training_step
 
 V, H = 53, 12
@@ -195,16 +196,16 @@ class ReturnsLogits(Head):
         return _returns_logits(self, torch.tanh(self.emb(ids)), labels)
 
 
-def test_logits_only_returned_become_none_by_default():
+def test_logits_only_returned_become_a_stand_in_by_default():
     model = ReturnsLogits(None)
     ids = torch.randint(0, V, (2, 6))
     cmodel = burstc.compile(model, backend="aot_eager")
     loss, logits = cmodel(ids, ids)
-    assert logits is None
+    assert logits is DROPPED_LOGITS
     ref_loss, _ = model(ids, ids)
     torch.testing.assert_close(loss, ref_loss)
     rep = burstc.report(cmodel)
-    assert "returned as None" in rep.rewrites[0].logits
+    assert "returned as a stand-in" in rep.rewrites[0].logits
     assert rep.graph_records[0].dropped_outputs == (1,)
 
 
@@ -233,10 +234,10 @@ def test_transformed_logits_only_returned_are_dropped_too(transform):
     ids = torch.randint(0, V, (2, 6))
     cmodel = burstc.compile(model, backend="aot_eager")
     loss, logits = cmodel(ids, ids)
-    assert logits is None
+    assert logits is DROPPED_LOGITS
     torch.testing.assert_close(loss, model(ids, ids)[0])
     rep = burstc.report(cmodel)
-    assert "returned as None" in rep.rewrites[0].logits, rep.rewrites[0].logits
+    assert "returned as a stand-in" in rep.rewrites[0].logits, rep.rewrites[0].logits
     forward = rep.graphs["forward"]
     assert not any(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
                    for n in forward.graph.nodes), "the [tokens, vocab] logits are still computed"

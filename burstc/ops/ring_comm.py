@@ -2,6 +2,10 @@
 
 A :class:`Ring` moves blocks to rank + 1 and receives from rank - 1 of its group.  It knows nothing
 about attention, so that a two-level (inter/intra-node) ring can compose two of them later.
+
+Every wait is bounded: by the timeout ``burstc.compile(..., timeout=)`` set for the group
+(:func:`set_wait_timeout`), else by the process group's own; a wait that fails raises
+:class:`burstc.errors.PeerTimeout` / :class:`~burstc.errors.PeerFailure` naming the rank waited for.
 """
 from __future__ import annotations
 
@@ -10,6 +14,19 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from burstc.errors import wait_for_peer
+
+# group name -> seconds every ring wait on that group may take; absent: the process group's own timeout
+_WAIT_TIMEOUT_S: dict[str, float] = {}
+
+
+def set_wait_timeout(group_name: str, seconds: float | None) -> None:
+    """Bound every ring wait on the group ``group_name`` by ``seconds`` (``None``: the group's own timeout)."""
+    if seconds is None:
+        _WAIT_TIMEOUT_S.pop(group_name, None)
+    else:
+        _WAIT_TIMEOUT_S[group_name] = float(seconds)
 
 
 class SendRecorder(Protocol):
@@ -26,12 +43,15 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 class Ring:
     """Neighbours of this rank in a 1-D group: blocks move to rank + 1 and arrive from rank - 1."""
 
+    timeout_s: float | None = None  # bound on each wait (set_wait_timeout); None: the group's own timeout
+
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.size = group.size()
         self.rank = group.rank()
         self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.timeout_s = _WAIT_TIMEOUT_S.get(group.group_name)
 
     def post(self, sends: Sequence[Tensor], recvs: Sequence[Tensor], recorder: SendRecorder, step: int) -> list:
         """Start sending ``sends`` to the next rank and receiving ``recvs`` (same shapes, same order
@@ -44,12 +64,26 @@ class Ring:
         ops = [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recvs]
         ops += [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in sends]
         recorder.sent(step, sends)
-        return dist.batch_isend_irecv(ops)
+        peers = [("receive from", self.prev_peer)] * len(recvs) + [("send to", self.next_peer)] * len(sends)
+        return _Posted(dist.batch_isend_irecv(ops), peers, self.timeout_s)
+
+
+class _Posted(list):
+    """A step's requests, with the peer of each and the ring's wait timeout (for :func:`wait`)."""
+
+    def __init__(self, requests, peers, timeout_s: float | None):
+        super().__init__(requests)
+        self.peers = peers if len(peers) == len(self) else [("exchange with", None)] * len(self)
+        self.timeout_s = timeout_s
 
 
 def wait(requests) -> None:
-    for request in requests:
-        request.wait()
+    timeout_s = getattr(requests, "timeout_s", None)
+    peers = getattr(requests, "peers", None) or [("exchange with", None)] * len(requests)
+    for request, (what, peer) in zip(requests, peers):
+        who = f"rank {peer}" if peer is not None else "a peer rank"
+        wait_for_peer(request, timeout_s, f"burstc ring attention: rank {dist.get_rank()} waited to {what} {who}",
+                      f"Is {who} alive and calling the compiled model?")
 
 
 class DoubleBuffer:

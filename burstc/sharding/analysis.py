@@ -30,19 +30,20 @@ class Plan:
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int:
-    """The S of the token-index inputs ([B, S] integer placeholders); they must agree."""
-    lengths = set()
+    """The S of the token-index inputs ([B, S] integer placeholders); they must agree.  A symbolic S (a
+    graph compiled with dynamic shapes) comes back as the ``torch.SymInt``."""
+    lengths = {}  # keyed by str: a SymInt does not hash
     for node in gm.graph.nodes:
         if node.op != "placeholder" or placeholder_kind(node) != "input":
             continue
         v = val(node)
         if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.dim() >= 1:
-            lengths.add(v.shape[-1])
+            lengths.setdefault(str(v.shape[-1]), v.shape[-1])
     if not lengths:
         raise ValueError("no token-index input (an integer [B, S] tensor) found")
     if len(lengths) > 1:
         raise ValueError(f"token-index inputs disagree on the sequence length: {sorted(lengths)}")
-    return lengths.pop()
+    return next(iter(lengths.values()))
 
 
 class Analyzer:

@@ -8,6 +8,7 @@ from burstc.refusals import register_codes
 
 CODES = register_codes("shard", {
     "sequence_length": "no token-index input, or token-index inputs that disagree on the sequence length",
+    "dynamic_length": "a symbolic sequence length (dynamic shapes): the rewrite plans for a concrete length",
     "mixes_positions": "an op mixes sequence positions (softmax, linear, norm or repeat along the sequence)",
     "reduces_sequence": "a reduction (sum, mean, max, ...) over the sequence dim or over all dims",
     "slices_sequence": "a slice, index or split of the sequence dim, or tensor indexing of a sharded value",
