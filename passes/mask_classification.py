@@ -263,10 +263,11 @@ def evaluation_lengths(gm, mask_node, consumer, seq: int | None = None) -> tuple
 # -- masks built from the caller's token inputs: packed documents, padding ---------------------------------
 #
 # HF builds them at run time from ``position_ids`` (a document starts where the positions do not step by one)
-# and from ``attention_mask`` (key padding).  Such a mask is recognized by probing: the mask subgraph is
-# evaluated on a set of inputs (one document, random packings with documents of length 1, right/left padding,
-# holes) and must equal, for every probe, ``static & Documents(positions) & KeyPadding(padding)`` with the
-# documents and validity burstc computes from the same inputs at run time.  Any mismatch: refused.
+# and from ``attention_mask`` (key padding); other models compare document ids they are given
+# (``doc[b, i] == doc[b, j]``).  Such a mask is recognized by probing: the mask subgraph is evaluated on a set
+# of inputs (one document, random packings with documents of length 1, unsorted ids, right/left padding,
+# holes) and must equal, for every probe, ``static & Documents(positions or ids) & KeyPadding(padding)`` with
+# the documents and validity burstc computes from the same inputs at run time.  Any mismatch: refused.
 
 _PROBE_SEED = 20261205
 
@@ -336,7 +337,9 @@ def _classify_runtime_mask(gm, mask_node, style, consumer):
         gen = torch.Generator().manual_seed(_PROBE_SEED)
         probe_seq = length.probe if length is not None else seq
         spec = None
-        for roles in itertools.permutations(("positions", "padding"), len(inputs)):
+        for roles in itertools.permutations(("positions", "ids", "padding"), len(inputs)):
+            if {"positions", "ids"} <= set(roles):
+                continue  # one documents term
             role_of = dict(zip(inputs, roles))
             spec = _verified(gm, mask_node, style, consumer, role_of, batch, probe_seq, gen, length)
             if spec is not None:
@@ -347,16 +350,27 @@ def _classify_runtime_mask(gm, mask_node, style, consumer):
     return specs[0]
 
 
+def _probe_document_ids(batch: int, seq: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Document ids as a model may take them (``[B, S]``): one document, sorted segments per row, unsorted
+    small ids, one token per document."""
+    segments = torch.cumsum((torch.rand(batch, seq, generator=gen) < 0.2).to(torch.int64), -1)
+    return [torch.zeros(batch, seq, dtype=torch.int64), segments, torch.randint(0, 3, (batch, seq), generator=gen),
+            torch.arange(seq).expand(batch, seq).clone()]
+
+
+_DOCUMENT_ROLES = {"positions": _probe_positions, "ids": _probe_document_ids}
+
+
 def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) -> MaskSpec | None:
-    positions = next((n for n, r in role_of.items() if r == "positions"), None)
+    documents = next(((n, r) for n, r in role_of.items() if r in _DOCUMENT_ROLES), None)
     padding = next((n for n, r in role_of.items() if r == "padding"), None)
-    pos_probes = _probe_positions(batch, seq, gen) if positions is not None else [None]
+    doc_probes = _DOCUMENT_ROLES[documents[1]](batch, seq, gen) if documents is not None else [None]
     pad_probes = _probe_padding(batch, seq, gen) if padding is not None else [None]
 
-    def evaluate(pos, pad):
+    def evaluate(doc, pad):
         values = {}
-        if positions is not None:
-            values[positions] = pos.to(val(positions).dtype)
+        if documents is not None:
+            values[documents[0]] = doc.to(val(documents[0]).dtype)
         if padding is not None:
             values[padding] = pad.to(val(padding).dtype)
         try:
@@ -364,21 +378,21 @@ def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) 
         except Exception:  # noqa: BLE001 - a probe the subgraph can't take: not recognized
             return None
 
-    neutral = evaluate(pos_probes[0], pad_probes[0])
+    neutral = evaluate(doc_probes[0], pad_probes[0])
     static = spec_of_visibility(neutral) if neutral is not None else None
     if static is None or static.score_mods:
         return None
     spec = static
-    if positions is not None:
-        spec = spec & Documents(positions.name)
+    if documents is not None:
+        spec = spec & Documents(documents[0].name, ids=documents[1] == "ids")
     if padding is not None:
         spec = spec & KeyPadding(padding.name)
     arange = torch.arange(seq)
-    for pos, pad in itertools.product(pos_probes, pad_probes):
-        got = evaluate(pos, pad)
+    for doc, pad in itertools.product(doc_probes, pad_probes):
+        got = evaluate(doc, pad)
         if got is None or got.dim() < 3 or got.shape[-2:] != (seq, seq):
             return None
-        docs = document_ids_from_positions(pos) if pos is not None else None
+        docs = None if doc is None else document_ids_from_positions(doc) if documents[1] == "positions" else doc
         valid = pad.ne(0) if pad is not None else None
         want = spec.visible(arange, arange, q_docs=docs, kv_docs=docs,
                             kv_valid=valid)

@@ -100,7 +100,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
-            doc_ids, key_valid = _runtime_mask_data(graph, mask, B, fake_mode, runtime_data)
+            doc_ids, key_valid = _runtime_mask_data(graph, mask, B, analyzer.padded_len, fake_mode, runtime_data)
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name,
                                         doc_ids, key_valid))
@@ -257,13 +257,14 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                                  f"({type(error).__name__}: {error}); the whole graph runs unsharded "
                                  "(replicated on every rank) - please report this", code=CODES.analysis_failed)
         return gm
-    if padded_len != seq_len and not all(_mask_of(n, context.facts.attention.get(n)).term(Causal) is not None
+    if padded_len != seq_len and not all(_pads_hidden(_mask_of(n, context.facts.attention.get(n)))
                                          for n in plan.attention):
-        # padding at the end is exact only when no real token can see a pad: causal attention
+        # padding at the end is exact only when no real token can see a pad
         raise ValueError(
             f"burstc: sequence length {seq_len} is not a multiple of {multiple}, which layout "
-            f"{config.layout!r} needs on {context.world_size} ranks, and padding is exact only for causal "
-            f"attention; pad the batch to a multiple of {multiple}")
+            f"{config.layout!r} needs on {context.world_size} ranks, and padding is exact only when no real "
+            f"token can see a pad (causal attention, documents, key padding); pad the batch to a multiple of "
+            f"{multiple}")
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
                      module="", code=CODES.no_sequence_work)
@@ -297,15 +298,41 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
 
 
-def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, batch: int, fake_mode, cache: dict):
+def _pads_hidden(mask: MaskSpec) -> bool:
+    """Do the layout's pads at the end of the sequence stay invisible to every real token?  Causal: they
+    come after it; documents: pads get a document of their own; key padding: pads are invalid keys."""
+    return any(mask.term(kind) is not None for kind in (Causal, Documents, KeyPadding))
+
+
+def padded_document_ids(doc_ids_BS: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, S]`` document ids extended to ``length`` with one new id per row (the pads' own document)."""
+    pad = length - doc_ids_BS.shape[-1]
+    new_id = doc_ids_BS.amax(-1, keepdim=True) + 1
+    return torch.cat([doc_ids_BS, new_id.expand(doc_ids_BS.shape[0], pad)], dim=-1)
+
+
+def padded_key_valid(key_valid_BS: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, S]`` key validity extended to ``length`` with pads invalid."""
+    return torch.nn.functional.pad(key_valid_BS, (0, length - key_valid_BS.shape[-1]), value=False)
+
+
+def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, batch: int, padded_len: int, fake_mode, cache: dict):
     """``(doc_ids, key_valid)`` graph values for the mask's runtime terms (None where it has none), computed
-    from the replicated token inputs they name: every rank holds the whole batch's, so no communication."""
+    from the replicated token inputs they name: every rank holds the whole batch's, so no communication.
+    When the layout pads the sequence, they are extended over the pads (which no real token then sees)."""
+    pad_with = {"doc_ids": padded_document_ids, "key_valid": padded_key_valid}
+
     def value(kind, source, fn, extra):
         if (kind, source) not in cache:
             placeholder = next(n for n in graph.nodes if n.op == "placeholder" and n.name == source)
             args = (placeholder, *extra)
-            cache[kind, source] = graph.call_function(fn, args)
-            set_meta(cache[kind, source], fn, args, {}, fake_mode)
+            node = graph.call_function(fn, args)
+            set_meta(node, fn, args, {}, fake_mode)
+            if val(node).shape[-1] != padded_len:
+                padded = graph.call_function(pad_with[kind], (node, padded_len))
+                set_meta(padded, pad_with[kind], (node, padded_len), {}, fake_mode)
+                node = padded
+            cache[kind, source] = node
         return cache[kind, source]
 
     documents, padding = mask.term(Documents), mask.term(KeyPadding)

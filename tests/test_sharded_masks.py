@@ -8,6 +8,7 @@ import functools
 import re
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,3 +85,28 @@ def test_runtime_mask_is_sharded_and_exact(workers, case):
                                 backend="aot_eager", expect_sharded=True, timeout=300)
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert masks == expected, results[0]["attention_masks"]
+
+
+def hf_inputs_30_tokens():
+    """Two rows of 30 tokens: not a multiple of 2P = 8 on 4 ranks (zigzag), so the layout pads to 32."""
+    return torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("case", ["packed_position_ids", "right_padded"])
+def test_runtime_mask_on_a_length_the_layout_pads(workers, case):
+    """The layout's pads get a document of their own / are invalid keys: no real token sees them, so the
+    sequence is padded and sharded instead of refused."""
+    loss_fn, expected = RUNTIME_CASES[case]
+    results = assert_equivalent(zoo.hf_llama, hf_inputs_30_tokens, loss_fn, world_size=4, group=workers.get(4),
+                                backend="aot_eager", expect_sharded=True, timeout=300)
+    assert results[0]["padded_to"] == 32
+    masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
+    assert masks == expected, results[0]["attention_masks"]
+
+
+def test_document_ids_a_model_compares_itself(workers):
+    """A model given document ids (unsorted: a document resumes after another) builds its own SDPA mask from
+    them: recognized as causal & document_ids, sharded, exact."""
+    results = assert_equivalent(zoo.document_ids_masked, zoo.document_ids_inputs, zoo.document_ids_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=True)
+    assert [m.split(" ")[0] for m in results[0]["attention_masks"]] == ["causal&document_ids(l_doc_ids_)"]

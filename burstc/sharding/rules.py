@@ -185,12 +185,6 @@ def attention(analyzer, node):
         reason = match.refusal.reason if match.refusal else f"a {match.mask.kind} mask"
         raise Refused(CODES.attention_mask,
                       f"attention with {reason} (masks are not supported by the ring op yet)", node)
-    if match is not None and match.mask.runtime_sources and analyzer.padded_len != analyzer.S:
-        # the op reads document ids / key validity per global position: the internal padding would need
-        # them extended too (pad the batch to a multiple of the layout's instead)
-        raise Refused(CODES.attention_mask, f"attention with a {match.mask.kind} mask on a sequence of "
-                                            f"{analyzer.S} tokens, which the layout would pad to "
-                                            f"{analyzer.padded_len}", node)
     if match is None and call.attn_mask is not None:
         raise Refused(CODES.attention_mask,
                       "attention with an attention mask (masks are not supported by the ring op yet)", node)

@@ -66,4 +66,8 @@ from burstc.testing.zoo.handwritten import (  # noqa: F401
     PositionwiseMinMax,
     QueryKeyPadded,
     query_key_padded,
+    DocumentIdsMasked,
+    document_ids_masked,
+    document_ids_inputs,
+    document_ids_loss,
 )

@@ -151,3 +151,42 @@ class QueryKeyPadded(torch.nn.Module):
 
 def query_key_padded():
     return QueryKeyPadded()
+
+
+class DocumentIdsMasked(torch.nn.Module):
+    """Takes the document id of every token (``doc_ids`` ``[B, S]``, any integers) and builds its own SDPA
+    mask from them: causal within a document."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels, doc_ids):
+        batch, seq = ids.shape
+        h = self.emb(ids)
+        q, k, v = self.qkv(h).view(batch, seq, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
+        same_document = doc_ids[:, None, :, None] == doc_ids[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal & same_document)
+        h = h + out.transpose(1, 2).reshape(batch, seq, 16)
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
+
+
+def document_ids_masked():
+    return DocumentIdsMasked()
+
+
+def document_ids_inputs():
+    """Two rows of 32 tokens with unsorted document ids (a document may resume after another)."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 97, (2, 32), generator=g)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 6 + [0] * 4 + [2] * 12, [5] * 3 + [7] * 20 + [5] * 9])
+    return ids, doc_ids
+
+
+def document_ids_loss(model, inputs):
+    ids, doc_ids = inputs
+    return model(ids, ids.roll(-1, dims=1), doc_ids)
