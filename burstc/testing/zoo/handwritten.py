@@ -123,10 +123,8 @@ class PositionwiseMinMax(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
 
 
-class QueryKeyPadded(torch.nn.Module):
-    """Called like an HF model (``input_ids``, ``labels``, ``attention_mask``), but its mask hides padded
-    queries as well as padded keys: not the key padding burstc takes as runtime data, causal only when the
-    attention_mask is all ones (exercises the all-ones specialization and its unsharded fallback)."""
+class _OneAttention(torch.nn.Module):
+    """Embedding, one 2-head attention's projections, LM head (seeded)."""
 
     def __init__(self):
         super().__init__()
@@ -134,6 +132,12 @@ class QueryKeyPadded(torch.nn.Module):
         self.emb = torch.nn.Embedding(97, 16)
         self.qkv = torch.nn.Linear(16, 48)
         self.head = torch.nn.Linear(16, 97)
+
+
+class QueryKeyPadded(_OneAttention):
+    """Called like an HF model (``input_ids``, ``labels``, ``attention_mask``), but its mask hides padded
+    queries as well as padded keys: not the key padding burstc takes as runtime data, causal only when the
+    attention_mask is all ones (exercises the all-ones specialization and its unsharded fallback)."""
 
     def forward(self, input_ids, labels, attention_mask, use_cache=False):
         batch, seq = input_ids.shape
@@ -153,16 +157,9 @@ def query_key_padded():
     return QueryKeyPadded()
 
 
-class DocumentIdsMasked(torch.nn.Module):
+class DocumentIdsMasked(_OneAttention):
     """Takes the document id of every token (``doc_ids`` ``[B, S]``, any integers) and builds its own SDPA
     mask from them: causal within a document."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(97, 16)
-        self.qkv = torch.nn.Linear(16, 48)
-        self.head = torch.nn.Linear(16, 97)
 
     def forward(self, ids, labels, doc_ids):
         batch, seq = ids.shape
