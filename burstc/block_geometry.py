@@ -187,3 +187,59 @@ def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -
         if torch.equal(counts, triangle):
             return Block(q_start, q_stop, kv_start, kv_stop, CAUSAL)
     return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which rows of a pair travel: the mask-aware transfers
+
+Runs = tuple[tuple[int, int], ...]
+"""Disjoint, increasing ``(start, stop)`` row ranges of one shard (local order)."""
+
+
+def runs_length(runs: Runs) -> int:
+    return sum(stop - start for start, stop in runs)
+
+
+def _runs_of(flags: torch.Tensor) -> Runs:
+    """The runs of True in a 1-D bool tensor."""
+    if not bool(flags.any()):
+        return ()
+    padded = torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]).to(torch.int8)
+    edges = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    return tuple(zip(edges[0::2], edges[1::2]))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
+                    ) -> tuple[Runs, Runs]:
+    """``(query rows that see some key, key rows some query sees)`` of the pair under the static
+    ``terms`` (cached: the op, the planner and the simulator ask for every pair)."""
+    everything = ((0, local_len),)
+    mask = MaskSpec(terms)
+    if not mask.terms:  # full attention: every row of every pair
+        return everything, everything
+    seq_len = local_len * world_size
+    lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
+                               local_positions(seq_len, world_size, kv_owner, layout), mask)
+    seen = hi > lo
+    # keys seen: the union of the rows' intervals, by a difference array over the key rows
+    cover = torch.zeros(local_len + 1, dtype=torch.int64)
+    cover.index_add_(0, lo[seen], torch.ones(int(seen.sum()), dtype=torch.int64))
+    cover.index_add_(0, hi[seen], torch.full((int(seen.sum()),), -1, dtype=torch.int64))
+    return _runs_of(seen), _runs_of(cover.cumsum(0)[:local_len] > 0)
+
+
+def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver: int, sender: int, local_len: int,
+                    world_size: int) -> Runs:
+    """The rows of ``sender``'s travelling side that ``receiver`` needs, under the static part of
+    ``mask``: its key/value rows some query of ``receiver`` sees (K/V travel: the forward and the
+    ``kv_ring`` backward), or its query rows that see some key of ``receiver`` (queries travel: the
+    ``burst`` backward).  The gradient of these rows returns from ``receiver`` to ``sender``.  Empty
+    when the pair is hidden.  A pure function of its arguments: every rank derives the same transfers,
+    so both sides of a pair always agree on what is sent and what is skipped.  Runtime terms
+    (documents, padding) are data: the static part's rows travel (a superset)."""
+    check_layout(layout)
+    terms = mask.static_part.terms
+    if queries_travel:
+        return _pair_rows_seen(layout, terms, sender, receiver, local_len, world_size)[0]
+    return _pair_rows_seen(layout, terms, receiver, sender, local_len, world_size)[1]

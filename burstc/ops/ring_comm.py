@@ -1,7 +1,9 @@
 """Ring communication over ONE process group: neighbours, posting a step's transfers, double buffers.
 
-A :class:`Ring` moves blocks to rank + 1 and receives from rank - 1 of its group.  It knows nothing
-about attention, so that a two-level (inter/intra-node) ring can compose two of them later.
+A :class:`Ring` moves blocks to rank + 1 and receives from rank - 1 of its group (:meth:`Ring.post`),
+or between any two ranks of the group by offset (:meth:`Ring.post_between`: the direct pattern of the
+mask-aware ring, where step t sends a rank's own block to rank + t).  It knows nothing about
+attention, so that a two-level (inter/intra-node) ring can compose two of them later.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from torch import Tensor
 
 class SendRecorder(Protocol):
     def sent(self, step: int, tensors: Sequence[Tensor]) -> None: ...
+
+    def received(self, step: int, tensors: Sequence[Tensor]) -> None: ...
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -45,6 +49,25 @@ class Ring:
         ops += [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in sends]
         recorder.sent(step, sends)
         return dist.batch_isend_irecv(ops)
+
+    def peer(self, offset: int) -> int:
+        """The global rank of group rank ``rank + offset`` (mod the group size)."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def post_between(self, sends: Sequence[tuple[int, Sequence[Tensor]]],
+                     recvs: Sequence[tuple[int, Sequence[Tensor]]], recorder: SendRecorder, step: int) -> list:
+        """Start each ``(offset, tensors)`` of ``sends`` towards group rank ``rank + offset`` and each
+        of ``recvs`` from group rank ``rank + offset``; ``recorder`` counts both as ``step``'s.  Two
+        messages between the same two ranks in one call match in list order, so both sides list their
+        kinds of message in the same order.  Receives first (see :meth:`post`).  Returns the requests
+        to :func:`wait` for (none when both lists are empty)."""
+        ops = [dist.P2POp(dist.irecv, t, self.peer(offset), self.group) for offset, tensors in recvs for t in tensors]
+        ops += [dist.P2POp(dist.isend, t, self.peer(offset), self.group) for offset, tensors in sends for t in tensors]
+        for _, tensors in sends:
+            recorder.sent(step, tensors)
+        for _, tensors in recvs:
+            recorder.received(step, tensors)
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def wait(requests) -> None:
