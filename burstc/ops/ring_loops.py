@@ -160,7 +160,15 @@ class _Arrivals:
     visible (the rows that travel are exactly those some entry of the pair needs)."""
 
     def __init__(self, like: list[Tensor]):
-        self._like, self._sets = like, [None, None]
+        self._like, self._sets, self._compact = like, [None, None], [None, None]
+
+    def receive_buffers(self, step: int, runs: Runs) -> list[Tensor]:
+        """Compact buffers for step ``step``'s arriving rows, reused from two steps before when as long
+        (the whole shard arrives into them and is read from them while the next step's arrive)."""
+        found = self._compact[step % 2]
+        if found is None or found[0].shape[2] != runs_length(runs):
+            found = self._compact[step % 2] = [_rows_buffer(t, runs) for t in self._like]
+        return found
 
     def unpack(self, step: int, runs: Runs, compact: list[Tensor]) -> list[Tensor]:
         if runs == ((0, self._like[0].shape[2]),):
@@ -173,7 +181,7 @@ class _Arrivals:
         return slot
 
 
-def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int):
+def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, arrivals: _Arrivals):
     """``(sends, recvs, arriving rows, arriving buffers)`` for compute step ``step``: this rank sends
     its own rows that rank + step needs there, and receives what it needs of rank - step's.  Nothing
     outside ``1 <= step < P``, and nothing for a pair whose rows are empty (both sides agree)."""
@@ -182,7 +190,7 @@ def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int):
     send_runs = rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank)
     recv_runs = rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size)
     sends = [(step, [_gather_rows(t, send_runs) for t in home])] if send_runs else []
-    arriving = [_rows_buffer(t, recv_runs) for t in home] if recv_runs else None
+    arriving = arrivals.receive_buffers(step, recv_runs) if recv_runs else None
     return sends, [(-step, arriving)] if recv_runs else [], recv_runs, arriving
 
 
@@ -202,7 +210,7 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
         lse_acc = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
     for step in range(size):
         kv_owner = (rank - step) % size
-        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1)
+        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
         requests = ring.post_between(sends, recvs, recorder, step)
         for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
             if kv_cur is None:
@@ -290,7 +298,8 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     for step in range(size):
         visitor = (rank - step) % size  # owner of the travelling side held now
         q_owner, kv_owner = (visitor, rank) if plan.queries_travel else (rank, visitor)
-        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, step + 1)
+        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, step + 1,
+                                                                arrivals)
         back_sends, back_recvs, returned = _return_transfers(ring, rows_between, step - 1, previous,
                                                              own_travelling_grads)
         requests = ring.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
