@@ -203,10 +203,13 @@ def _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype) -> t
 
 @functools.lru_cache(maxsize=256)
 def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int, heads_kv: int,
-                        head_dim: int, dtype: torch.dtype | int) -> dict[str, Transfers]:
+                        head_dim: int, dtype: torch.dtype | int, hidden_pairs: frozenset = frozenset()
+                        ) -> dict[str, Transfers]:
     """What the ring op sends and receives on every rank for ``mask`` (a
     :class:`burstc.attention_ir.MaskSpec`; its runtime terms are data, so their static part's rows
-    travel) in ``layout``: ``{"forward", "kv_ring", "burst"}``.  Counted from
+    travel, except in the pairs the data hide: ``hidden_pairs``, from
+    :func:`burstc.block_geometry.pairs_hidden_by_data` when the data are known) in ``layout``:
+    ``{"forward", "kv_ring", "burst"}``.  Counted from
     :func:`burstc.block_geometry.travelling_rows`, the function the op's loops call, in the op's order:
     at step t a rank posts its own rows for rank + t + 1 and, from t = 2 on, returns the gradients of the
     rows it received at step t - 1 (the backward's extra last step returns those of step P - 1)."""
@@ -216,7 +219,7 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
 
     def rows(op, receiver, sender):
         return runs_length(travelling_rows(_QUERIES_TRAVEL[op], layout, mask, receiver % size, sender % size,
-                                           local_len, size))
+                                           local_len, size, hidden_pairs))
 
     found = {}
     for op in ("forward", "kv_ring", "burst"):

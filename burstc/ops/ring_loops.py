@@ -29,9 +29,9 @@ full and causal blocks without score mods run the flash-style kernels of
 Runtime terms (documents, key padding): their data (``doc_ids_BS``, ``key_valid_BS``, the whole
 sequence on every rank) are evaluated element-wise, so every block of the static geometry
 (``mask.static_part``) runs the masked kernel, and a pair whose data show nothing visible (disjoint
-document-id ranges, or no valid key, in every batch row) is not computed (its rows still travel: the
-transfers follow the static part, known on every rank before the call).  No block need then cover
-every query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
+document-id ranges, or no valid key, in every batch row) is neither computed nor sent (every rank
+decides it from the same replicated data, :func:`burstc.block_geometry.pairs_hidden_by_data`; other
+pairs send their static part's rows).  No block need then cover every query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
 (out 0, lse -inf) and such a row ends with out 0, lse -inf (as single-device SDPA's 0) and zero
 gradients.  Work counters count the entries the data leave visible.
 LSE convention: :mod:`burstc.ops.lse_merge`.
@@ -44,10 +44,11 @@ import functools
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import Documents, KeyPadding, MaskSpec
+from burstc.attention_ir import MaskSpec
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
-from burstc.block_geometry import POSITIONS, Block, Runs, blocks, runs_length, travelling_rows
+from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_hides_pair, pairs_hidden_by_data, runs_length,
+                                   travelling_rows)
 from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, wait
@@ -90,22 +91,21 @@ class MaskData:
 def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, ring: Ring,
                  data: MaskData) -> tuple[Block, ...]:
     """The blocks of a pair: :func:`blocks` of the static part, or none when the data show that
-    nothing of the pair is visible in any batch row (exact, O(B * S_local))."""
+    nothing of the pair is visible in any batch row (:func:`data_hides_pair`)."""
     if not mask.runtime_terms:
         return blocks(layout, mask, q_owner, kv_owner, local_len, ring.size)
     found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, ring.size)
-    if not found:
-        return found
-    some_data_BS = data.doc_ids_BS if data.doc_ids_BS is not None else data.key_valid_BS
-    seq_len, device = local_len * ring.size, some_data_BS.device
-    q_pos, kv_pos = (local_positions(seq_len, ring.size, owner, layout, device) for owner in (q_owner, kv_owner))
-    hidden_B = torch.zeros(some_data_BS.shape[0], dtype=torch.bool, device=device)
-    if mask.term(Documents) is not None:  # ids need not be sorted: disjoint [min, max] ranges never meet
-        q_docs, kv_docs = data.doc_ids_BS[:, q_pos], data.doc_ids_BS[:, kv_pos]
-        hidden_B = hidden_B | (q_docs.amax(1) < kv_docs.amin(1)) | (kv_docs.amax(1) < q_docs.amin(1))
-    if mask.term(KeyPadding) is not None:
-        hidden_B = hidden_B | ~data.key_valid_BS[:, kv_pos].any(1)
-    return () if bool(hidden_B.all()) else found
+    if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args()):
+        return ()
+    return found
+
+
+def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: int, ring: Ring, data: MaskData):
+    """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
+    this rank that the runtime data hide move nothing."""
+    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(), rank=ring.rank)
+    return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
+                             world_size=ring.size, hidden_pairs=hidden)
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
@@ -201,7 +201,7 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
     size, rank = ring.size, ring.rank
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
     kv_home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
-    rows_between = functools.partial(travelling_rows, False, layout, mask, local_len=local_len, world_size=size)
+    rows_between = _rows_between(False, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(kv_home)
     kv_cur = kv_home
     out_acc = lse_acc = None
@@ -291,8 +291,7 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     else:
         home_travelling, home = [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
     own_travelling_grads = [grads[i] for i in plan.travelling_grads]
-    rows_between = functools.partial(travelling_rows, plan.queries_travel, layout, mask, local_len=local_len,
-                                     world_size=size)
+    rows_between = _rows_between(plan.queries_travel, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(home_travelling)
     travelling, previous = home_travelling, None  # previous: (step, its visitor's partial gradients)
     for step in range(size):

@@ -6,8 +6,9 @@ sends and receives per step (:func:`burstc.planner.predicted_transfers`, from
 :func:`burstc.block_geometry.travelling_rows`): the functions the op itself calls, so the simulation
 cannot drift from what runs (tests compare it with the counters of real 2- and 4-rank runs).  Beside
 them, the zero-redundancy bound (:func:`burstc.planner.zero_redundancy_bound`) and the mask-blind
-ring's bytes.  Runtime terms (documents, padding) are data: the static part is simulated, which is
-what travels (and bounds the work).
+ring's bytes.  Runtime terms (documents, padding) are data: the static part is simulated (what travels
+in the pairs the data leave some entry of, and a bound on the work), or with the data given the pairs
+they hide send nothing, as in the op.
 
     python -m burstc.testing.balance --mask causal --layout zigzag --P 64 --S 65536
     python -m burstc.testing.balance --mask window:4096 --layout contiguous striped --P 8 16 --S 65536
@@ -21,7 +22,8 @@ import torch
 
 from burstc.attention_ir import MaskSpec, SlidingWindow
 from burstc.layout import LAYOUTS, required_multiple
-from burstc.planner import masked_plan, predicted_work
+from burstc.block_geometry import pairs_hidden_by_data
+from burstc.planner import masked_plan, predicted_transfers, predicted_work
 
 
 def parse_mask(text: str) -> MaskSpec:
@@ -68,12 +70,20 @@ class Balance:
 
 def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *, batch: int = 1, heads_q: int = 32,
              heads_kv: int = 8, head_dim: int = 128, dtype: torch.dtype | int = torch.bfloat16,
-             plan: str = "auto") -> Balance:
+             plan: str = "auto", doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None
+             ) -> Balance:
     """Per-rank work and bytes of one call on ``world_size`` ranks (defaults: a Llama-3-8B-like
-    attention layer in bf16)."""
+    attention layer in bf16).  With the runtime terms' data (``doc_ids`` / ``key_valid``, ``[B, S]``),
+    the pairs the data hide move nothing, as in the op (the work stays the static part's, an upper
+    bound)."""
     mask = parse_mask(mask) if isinstance(mask, str) else mask
     static = mask.static_part
     masked = masked_plan(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype, plan)
+    if doc_ids is not None or key_valid is not None:
+        hidden = pairs_hidden_by_data(layout, mask, seq_len // world_size, world_size, doc_ids, key_valid)
+        transfers = predicted_transfers(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
+                                        dtype, hidden)
+        masked = dataclasses.replace(masked, transfers=transfers)
     work_by_op = {op: tuple(batch * heads_q * w for w in predicted_work(layout, static, seq_len, world_size,
                                                                         op == "burst").per_rank)
                   for op in ("forward", "kv_ring", "burst")}
