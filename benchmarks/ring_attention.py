@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burstc import layout as layouts  # noqa: E402
 from burstc.attention_ir import MaskSpec  # noqa: E402
 from burstc.block_geometry import blocks  # noqa: E402
-from burstc.planner import plan_attention  # noqa: E402
+from burstc.attention_ir import MaskSpec  # noqa: E402
+from burstc.planner import masked_plan  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
 
 aten = torch.ops.aten
@@ -405,13 +406,15 @@ def _combine(per_rank: list[dict], impl: str) -> dict:
 
 def _format_table(config: Config, results: dict) -> str:
     ours = results["burstc"]
-    plan = plan_attention(config.batch, config.seq_len, config.world_size, config.heads_q, config.heads_kv,
-                          config.head_dim, DTYPES[config.dtype])
+    shape = (config.seq_len, config.world_size, config.batch, config.heads_q, config.heads_kv, config.head_dim,
+             DTYPES[config.dtype])
+    plan = masked_plan("zigzag", MaskSpec.causal(), *shape)
+    other = masked_plan("zigzag", MaskSpec.causal(), *shape, "burst" if plan.plan == "kv_ring" else "kv_ring")
     head = (f"P={config.world_size} S={config.seq_len} B={config.batch} Hq={config.heads_q} Hkv={config.heads_kv} "
             f"D={config.head_dim} {config.dtype} {config.attention} | burstc plan={ours.get('plan')} "
-            f"(predicted bwd {plan.total_bytes['backward'] / 2**20:.1f} MiB/rank = "
-            f"{plan.backward_ratio:.3f} x {plan.alternative} {plan.alternative_total_bytes['backward'] / 2**20:.1f} MiB)"
-            f" | load average {ours['load_average']:.1f} on {os.cpu_count()} cores")
+            f"(predicted bwd {plan.sent['backward'] / 2**20:.1f} MiB from the busiest rank, "
+            f"{other.plan} {other.sent['backward'] / 2**20:.1f} MiB; the mask-blind ring "
+            f"{plan.dense['backward'] / 2**20:.1f} MiB) | load average {ours['load_average']:.1f} on {os.cpu_count()} cores")
     lines = [head,
              "| impl | step s (best) | step s (median) | CPU s/rank | fwd MiB/rank | bwd MiB/rank | balance "
              "| out err | grad err | burstc speedup wall / CPU | bytes vs burstc |",

@@ -27,7 +27,8 @@ import functools
 
 import torch
 
-from burstc.attention_ir import RUNTIME_TERMS, STATIC_SCORE_MODS, STATIC_TERMS, Causal, MaskSpec, SlidingWindow
+from burstc.attention_ir import (RUNTIME_TERMS, STATIC_SCORE_MODS, STATIC_TERMS, Causal, Documents, KeyPadding, MaskSpec,
+                                 SlidingWindow)
 from burstc.layout import check_layout, local_positions
 
 FULL = "full"
@@ -187,3 +188,98 @@ def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -
         if torch.equal(counts, triangle):
             return Block(q_start, q_stop, kv_start, kv_stop, CAUSAL)
     return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which rows of a pair travel: the mask-aware transfers
+
+Runs = tuple[tuple[int, int], ...]
+"""Disjoint, increasing ``(start, stop)`` row ranges of one shard (local order)."""
+
+
+def runs_length(runs: Runs) -> int:
+    return sum(stop - start for start, stop in runs)
+
+
+def _runs_of(flags: torch.Tensor) -> Runs:
+    """The runs of True in a 1-D bool tensor."""
+    if not bool(flags.any()):
+        return ()
+    padded = torch.cat([flags.new_zeros(1), flags, flags.new_zeros(1)]).to(torch.int8)
+    edges = (padded[1:] - padded[:-1]).nonzero().flatten().tolist()
+    return tuple(zip(edges[0::2], edges[1::2]))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
+                    ) -> tuple[Runs, Runs]:
+    """``(query rows that see some key, key rows some query sees)`` of the pair under the static
+    ``terms`` (cached: the op, the planner and the simulator ask for every pair)."""
+    everything = ((0, local_len),)
+    mask = MaskSpec(terms)
+    if not mask.terms:  # full attention: every row of every pair
+        return everything, everything
+    seq_len = local_len * world_size
+    lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
+                               local_positions(seq_len, world_size, kv_owner, layout), mask)
+    seen = hi > lo
+    # keys seen: the union of the rows' intervals, by a difference array over the key rows
+    cover = torch.zeros(local_len + 1, dtype=torch.int64)
+    cover.index_add_(0, lo[seen], torch.ones(int(seen.sum()), dtype=torch.int64))
+    cover.index_add_(0, hi[seen], torch.full((int(seen.sum()),), -1, dtype=torch.int64))
+    return _runs_of(seen), _runs_of(cover.cumsum(0)[:local_len] > 0)
+
+
+def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver: int, sender: int, local_len: int,
+                    world_size: int, hidden_pairs: frozenset = frozenset()) -> Runs:
+    """The rows of ``sender``'s travelling side that ``receiver`` needs, under the static part of
+    ``mask``: its key/value rows some query of ``receiver`` sees (K/V travel: the forward and the
+    ``kv_ring`` backward), or its query rows that see some key of ``receiver`` (queries travel: the
+    ``burst`` backward).  The gradient of these rows returns from ``receiver`` to ``sender``.  Empty
+    when the pair is hidden.  A pure function of its arguments: every rank derives the same transfers,
+    so both sides of a pair always agree on what is sent and what is skipped.  Runtime terms
+    (documents, padding) are data: the static part's rows travel (a superset), except for the
+    ``(q_owner, kv_owner)`` pairs in ``hidden_pairs`` (:func:`pairs_hidden_by_data`), which move nothing."""
+    check_layout(layout)
+    terms = mask.static_part.terms
+    if ((sender, receiver) if queries_travel else (receiver, sender)) in hidden_pairs:
+        return ()
+    if queries_travel:
+        return _pair_rows_seen(layout, terms, sender, receiver, local_len, world_size)[0]
+    return _pair_rows_seen(layout, terms, receiver, sender, local_len, world_size)[1]
+
+
+def data_hides_pair(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
+                    doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None) -> bool:
+    """Whether the runtime data (``[B, S_global]``, indexed by global position, the same on every rank)
+    hide every entry of the pair in every batch row: disjoint document-id ranges (ids need not be
+    sorted: disjoint ``[min, max]`` ranges never meet), or no valid key.  Exact for what it says,
+    O(B * S_local); False for a static mask."""
+    if not mask.runtime_terms:
+        return False
+    some_data_BS = doc_ids_BS if doc_ids_BS is not None else key_valid_BS
+    seq_len, device = local_len * world_size, some_data_BS.device
+    q_pos, kv_pos = (local_positions(seq_len, world_size, owner, layout, device) for owner in (q_owner, kv_owner))
+    hidden_B = torch.zeros(some_data_BS.shape[0], dtype=torch.bool, device=device)
+    if mask.term(Documents) is not None:
+        q_docs, kv_docs = doc_ids_BS[:, q_pos], doc_ids_BS[:, kv_pos]
+        hidden_B = hidden_B | (q_docs.amax(1) < kv_docs.amin(1)) | (kv_docs.amax(1) < q_docs.amin(1))
+    if mask.term(KeyPadding) is not None:
+        hidden_B = hidden_B | ~key_valid_BS[:, kv_pos].any(1)
+    return bool(hidden_B.all())
+
+
+def pairs_hidden_by_data(layout: str, mask: MaskSpec, local_len: int, world_size: int,
+                         doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None,
+                         rank: int | None = None) -> frozenset:
+    """The ``(q_owner, kv_owner)`` pairs of different ranks that the static part of ``mask`` leaves some
+    entry of but the data hide (:func:`data_hides_pair`): their rows need not travel.  Only the pairs
+    involving ``rank`` when given (what that rank's transfers ask).  Every rank computes the same
+    answer for a pair from the same replicated data, so both sides skip it together."""
+    if not mask.runtime_terms:
+        return frozenset()
+    static, others = mask.static_part, range(world_size)
+    candidates = {(q, kv) for q in others for kv in others if q != kv and rank in (None, q, kv)}
+    return frozenset(pair for pair in candidates
+                     if blocks(layout, static, *pair, local_len, world_size)
+                     and data_hides_pair(layout, mask, *pair, local_len, world_size, doc_ids_BS, key_valid_BS))

@@ -4,8 +4,9 @@ Symbols: ``B`` batch, ``S`` global sequence length, ``P`` ring size, ``Hq`` quer
 key/value heads, ``D`` head dim, ``a`` bytes per activation element (q/k/v/dO dtype).  Everything
 accumulated or kept as a softmax statistic travels in fp32 (4 bytes).  ``s = S / P`` tokens per rank.
 
-The formulas describe exactly what ``burstc.ops.ring_attention`` hands to ``isend`` on every rank
-(the multi-rank tests compare them with its byte counter):
+The dense formulas describe exactly what ``burstc.ops.ring_attention`` hands to ``isend`` on every
+rank for full attention, where every pair needs every row (the multi-rank tests compare them with its
+byte counter):
 
 * total bytes per call (``*_BYTES_PER_CALL``): every tensor of a travelling set is sent P - 1
   times; a travelling gradient accumulator also P - 1 times (P - 2 hops following its block plus
@@ -21,6 +22,14 @@ burst backward: Q, dO (activation dtype) + dQ (fp32) + LSE, delta rows (fp32) ->
 
 burst/kv_ring = Hq·(2Da + 4D + 8) / (2·Hkv·D·(a + 4)): 0.67 (bf16) and 0.75 (fp32) for MHA at D=128,
 so burst wins for MHA and loses as soon as Hq >= 2·Hkv (GQA/MQA; BurstEngine brief §3.2).
+
+Under a mask the op sends a pair only the rows its receiver needs (the mask-aware transfers of
+:func:`burstc.block_geometry.travelling_rows`), so the formulas are per row (``*_PER_ROW``: a
+travelling row and its returning gradient row) and :func:`predicted_transfers` counts the rows of every
+pair, step by step as the op posts them.  The dense formulas above are these per-row formulas times
+``s`` rows per pair (tested).  :func:`zero_redundancy_bound` is the bytes each rank must receive when
+every row goes once to each rank that needs it, counted from global visibility independently of the
+transfers; :func:`masked_plan` puts both beside each other for the report.
 """
 from __future__ import annotations
 
@@ -30,7 +39,8 @@ import functools
 import sympy
 import torch
 
-from burstc.block_geometry import blocks
+from burstc.block_geometry import blocks, runs_length, travelling_rows, visible_intervals
+from burstc.layout import local_positions
 
 B, S, P, Hq, Hkv, D, a = sympy.symbols("B S P Hq Hkv D a", positive=True, integer=True)
 FP32_BYTES = 4
@@ -41,6 +51,14 @@ KV_RING_BACKWARD_BYTES_PER_STEP = 2 * B * _s * Hkv * D * a + 2 * B * _s * Hkv * 
 BURST_BACKWARD_BYTES_PER_STEP = (2 * B * _s * Hq * D * a          # Q, dO
                                  + B * _s * Hq * D * FP32_BYTES    # travelling dQ accumulator
                                  + 2 * B * _s * Hq * FP32_BYTES)   # LSE and delta rows
+
+# per travelling row: what goes out with it and what returns (gradients, fp32)
+FORWARD_BYTES_PER_KV_ROW = 2 * B * Hkv * D * a                                # K, V
+KV_RING_BYTES_PER_KV_ROW = {"out": 2 * B * Hkv * D * a, "back": 2 * B * Hkv * D * FP32_BYTES}  # K, V; dK, dV
+BURST_BYTES_PER_Q_ROW = {"out": 2 * B * Hq * D * a + 2 * B * Hq * FP32_BYTES,  # Q, dO; LSE, delta
+                         "back": B * Hq * D * FP32_BYTES}                      # dQ
+BYTES_PER_ROW = {"forward": {"out": FORWARD_BYTES_PER_KV_ROW, "back": sympy.Integer(0)},
+                 "kv_ring": KV_RING_BYTES_PER_KV_ROW, "burst": BURST_BYTES_PER_Q_ROW}
 
 _STEPS_PER_CALL = P - 1
 FORWARD_BYTES_PER_CALL = _STEPS_PER_CALL * FORWARD_BYTES_PER_STEP
@@ -133,12 +151,188 @@ class WorkBalance:
 
 
 @functools.lru_cache(maxsize=256)
-def predicted_work(layout: str, mask, seq_len: int, world_size: int) -> WorkBalance:
-    """Per-rank attention work for ``mask`` (a :class:`burstc.attention_ir.MaskSpec`) in ``layout``."""
+def predicted_work(layout: str, mask, seq_len: int, world_size: int, by_keys: bool = False) -> WorkBalance:
+    """Per-rank attention work for ``mask`` (a :class:`burstc.attention_ir.MaskSpec`) in ``layout``: of
+    each rank's queries (the forward and the ``kv_ring`` backward), or with ``by_keys`` of each rank's
+    keys (the ``burst`` backward, where the queries visit the keys' owner)."""
     if seq_len % world_size:
         raise ValueError(f"seq_len ({seq_len}) must be a multiple of world_size ({world_size})")
     local_len = seq_len // world_size
+    pairs = (lambda rank, other: (other, rank)) if by_keys else (lambda rank, other: (rank, other))
     return WorkBalance(tuple(
-        sum(block.score_entries for kv_owner in range(world_size)
-            for block in blocks(layout, mask, rank, kv_owner, local_len, world_size))
+        sum(block.score_entries for other in range(world_size)
+            for block in blocks(layout, mask, *pairs(rank, other), local_len, world_size))
         for rank in range(world_size)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask-aware transfers: what each rank sends and receives, and the zero-redundancy bound
+
+_QUERIES_TRAVEL = {"forward": False, "kv_ring": False, "burst": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfers:
+    """Bytes per rank and step of one op (``"forward"`` or a backward plan) on every rank, indexed as
+    :class:`burstc.ops.ring_stats.RingCallStats` indexes its counters (the forward P steps, the
+    backward P + 1)."""
+
+    sent_per_step: tuple[tuple[int, ...], ...]      # [rank][step]
+    received_per_step: tuple[tuple[int, ...], ...]
+
+    @property
+    def sent(self) -> tuple[int, ...]:
+        return tuple(sum(steps) for steps in self.sent_per_step)
+
+    @property
+    def received(self) -> tuple[int, ...]:
+        return tuple(sum(steps) for steps in self.received_per_step)
+
+
+def _row_bytes(values: tuple[int, ...]) -> dict[str, dict[str, int]]:
+    return {op: {side: _bytes(expr, values) for side, expr in rows.items()} for op, rows in BYTES_PER_ROW.items()}
+
+
+def _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype) -> tuple[int, ...]:
+    if heads_q % heads_kv:
+        raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
+    if seq_len % world_size:
+        raise ValueError(f"seq_len ({seq_len}) must be a multiple of world_size ({world_size})")
+    return (batch, seq_len, world_size, heads_q, heads_kv, head_dim, element_size(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int, heads_kv: int,
+                        head_dim: int, dtype: torch.dtype | int, hidden_pairs: frozenset = frozenset()
+                        ) -> dict[str, Transfers]:
+    """What the ring op sends and receives on every rank for ``mask`` (a
+    :class:`burstc.attention_ir.MaskSpec`; its runtime terms are data, so their static part's rows
+    travel, except in the pairs the data hide: ``hidden_pairs``, from
+    :func:`burstc.block_geometry.pairs_hidden_by_data` when the data are known) in ``layout``:
+    ``{"forward", "kv_ring", "burst"}``.  Counted from
+    :func:`burstc.block_geometry.travelling_rows`, the function the op's loops call, in the op's order:
+    at step t a rank posts its own rows for rank + t + 1 and, from t = 2 on, returns the gradients of the
+    rows it received at step t - 1 (the backward's extra last step returns those of step P - 1)."""
+    values = _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
+    per_row = _row_bytes(values)
+    size, local_len = world_size, seq_len // world_size
+
+    def rows(op, receiver, sender):
+        return runs_length(travelling_rows(_QUERIES_TRAVEL[op], layout, mask, receiver % size, sender % size,
+                                           local_len, size, hidden_pairs))
+
+    found = {}
+    for op in ("forward", "kv_ring", "burst"):
+        steps = size + (0 if op == "forward" else 1) if size > 1 else 0
+        sent, received = [[0] * steps for _ in range(size)], [[0] * steps for _ in range(size)]
+        for rank in range(size):
+            for step in range(steps):
+                if step + 1 < size:  # inputs of compute step step + 1
+                    sent[rank][step] += rows(op, rank + step + 1, rank) * per_row[op]["out"]
+                    received[rank][step] += rows(op, rank, rank - step - 1) * per_row[op]["out"]
+                if op != "forward" and step - 1 >= 1:  # gradients of compute step step - 1 go back
+                    sent[rank][step] += rows(op, rank, rank - step + 1) * per_row[op]["back"]
+                    received[rank][step] += rows(op, rank + step - 1, rank) * per_row[op]["back"]
+        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)))
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def zero_redundancy_bound(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int,
+                          heads_kv: int, head_dim: int, dtype: torch.dtype | int) -> dict[str, tuple[int, ...]]:
+    """Bytes each rank must receive per call, ``{"forward", "kv_ring", "burst"}``, when every row goes
+    once to each rank that needs it: a key/value row to each other rank with a query that sees it (and
+    its dK/dV back from there), or a query row to each other rank holding a key it sees (its dQ back).
+    Counted from global visibility (``visible_intervals`` over the whole sequence, no pair geometry),
+    for the static part of ``mask``."""
+    values = _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
+    per_row = _row_bytes(values)
+    size = world_size
+    positions = [local_positions(seq_len, size, r, layout) for r in range(size)]
+    owner = torch.empty(seq_len, dtype=torch.int64)
+    for r, pos in enumerate(positions):
+        owner[pos] = r
+    owned_BP = torch.nn.functional.one_hot(owner, size).to(torch.int64)  # [S, P]
+    owned_before = torch.cat([torch.zeros(1, size, dtype=torch.int64), owned_BP.cumsum(0)])  # [S + 1, P]
+    static = mask.static_part
+    everything = torch.arange(seq_len)
+    keys_seen = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: keys of b some query of a sees
+    rows_seeing = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: queries of a that see a key of b
+    for a in range(size):
+        if static.terms:
+            lo, hi = visible_intervals(positions[a], everything, static)
+        else:
+            lo, hi = torch.zeros_like(positions[a]), torch.full_like(positions[a], seq_len)
+        seen = hi > lo
+        cover = torch.zeros(seq_len + 1, dtype=torch.int64)
+        cover.index_add_(0, lo[seen], torch.ones_like(lo[seen]))
+        cover.index_add_(0, hi[seen], -torch.ones_like(hi[seen]))
+        seen_keys = cover.cumsum(0)[:seq_len] > 0
+        keys_seen[a] = owned_BP[seen_keys].sum(0)
+        rows_seeing[a] = ((owned_before[hi] - owned_before[lo]) > 0).sum(0)
+    keys_seen.fill_diagonal_(0)
+    rows_seeing.fill_diagonal_(0)
+    kv_in, kv_out = keys_seen.sum(1), keys_seen.sum(0)          # rows a rank needs; its rows others need
+    q_in, q_out = rows_seeing.sum(0), rows_seeing.sum(1)        # others' query rows that see a rank's keys; own ones
+    bound = {"forward": kv_in * per_row["forward"]["out"],
+             "kv_ring": kv_in * per_row["kv_ring"]["out"] + kv_out * per_row["kv_ring"]["back"],
+             "burst": q_in * per_row["burst"]["out"] + q_out * per_row["burst"]["back"]}
+    return {op: tuple(int(x) for x in b) for op, b in bound.items()}
+
+
+def over_bound(received: tuple[int, ...], bound: tuple[int, ...]) -> float:
+    """Max over ranks of received / bound (1.0 where both are 0; inf where the bound is 0 alone)."""
+    ratios = [1.0 if got == need == 0 else (got / need if need else float("inf")) for got, need in zip(received, bound)]
+    return max(ratios) if ratios else 1.0
+
+
+def cheaper_backward(transfers: dict[str, Transfers]) -> str:
+    """The backward plan whose busiest rank sends fewer bytes under these transfers (ties: kv_ring)."""
+    busiest = {plan: max(transfers[plan].sent, default=0) for plan in ("kv_ring", "burst")}
+    return "burst" if busiest["burst"] < busiest["kv_ring"] else "kv_ring"
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedPlan:
+    """A mask-aware plan for one attention call: bytes per call, ``{"forward", "backward"}``.
+
+    ``plan``: the backward plan.  ``sent`` / ``received``: what the busiest rank sends / receives;
+    ``bound``: the largest per-rank :func:`zero_redundancy_bound`; ``over_bound``: max over ranks of
+    received / that rank's bound; ``dense``: what the mask-blind ring sends per rank."""
+
+    plan: str
+    transfers: dict[str, Transfers]
+    bound_per_rank: dict[str, tuple[int, ...]]
+    dense: dict[str, int]
+
+    def _each(self, fn) -> dict:
+        return {kind: fn("forward" if kind == "forward" else self.plan) for kind in ("forward", "backward")}
+
+    @property
+    def sent(self) -> dict[str, int]:
+        return self._each(lambda op: max(self.transfers[op].sent, default=0))
+
+    @property
+    def received(self) -> dict[str, int]:
+        return self._each(lambda op: max(self.transfers[op].received, default=0))
+
+    @property
+    def bound(self) -> dict[str, int]:
+        return self._each(lambda op: max(self.bound_per_rank[op], default=0))
+
+    @property
+    def over_bound(self) -> dict[str, float]:
+        return self._each(lambda op: over_bound(self.transfers[op].received, self.bound_per_rank[op]))
+
+
+@functools.lru_cache(maxsize=256)
+def masked_plan(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int, heads_kv: int,
+                head_dim: int, dtype: torch.dtype | int, plan: str = "auto") -> MaskedPlan:
+    """The transfers, bound and backward plan (``plan``, or :func:`cheaper_backward` for ``"auto"``)."""
+    args = (layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype)
+    transfers = predicted_transfers(*args)
+    plan = cheaper_backward(transfers) if plan == "auto" else plan
+    dense = plan_attention(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
+    dense_backward = dense.total_bytes["backward"] if plan == dense.plan else dense.alternative_total_bytes["backward"]
+    return MaskedPlan(plan, transfers, zero_redundancy_bound(*args),
+                      {"forward": dense.total_bytes["forward"], "backward": dense_backward})

@@ -78,7 +78,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
 
-    from burstc.planner import plan_attention, predicted_work
+    from burstc.planner import masked_plan, predicted_work
 
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     fake_mode = fake_mode_of(gm)
@@ -90,12 +90,14 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         B, Hq, _, D = val(q).shape
         Hkv = val(k).shape[1]
         scale = call.scale if call.scale is not None else D ** -0.5
-        choice = plan_attention(B, analyzer.padded_len, analyzer.P, Hq, Hkv, D, val(q).dtype)
         mask = _mask_of(node, match)
-        # runtime terms hide more: the static part's work bounds it
+        # runtime terms hide more: the static part's work bounds it, and its rows are what travel
         balance = predicted_work(layout, mask.static_part, analyzer.padded_len, analyzer.P)
+        choice = masked_plan(layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D,
+                             val(q).dtype)
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
-        per_step = choice.predicted_bytes if plan_name == choice.plan else choice.alternative_bytes
+        chosen = choice if plan_name == choice.plan else masked_plan(
+            layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D, val(q).dtype, plan_name)
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
@@ -114,7 +116,9 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
             "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
-            "predicted_bytes": dict(per_step),
+            "predicted_bytes": chosen.sent,
+            "bytes_bound": chosen.bound,
+            "bytes_over_bound": {k: round(x, 4) for k, x in chosen.over_bound.items()},
             "planner_choice": choice.plan,
             "work_max_over_mean": round(balance.max_over_mean, 4),
         }, module=module_path(node))

@@ -7,6 +7,7 @@ import torch
 
 from burstc import layout as layouts
 from burstc import planner
+from burstc.attention_ir import MaskSpec
 from burstc.planner import plan_attention
 
 
@@ -85,7 +86,7 @@ def _measure_bytes(rank, world_size, shape, dtype, layout, causal, plan):
     (forward,), (backward,) = stats.of("forward"), stats.of("backward")
     return {"forward_per_step": forward.bytes_sent_per_step, "forward_total": forward.total_bytes_sent,
             "backward_per_step": backward.bytes_sent_per_step, "backward_total": backward.total_bytes_sent,
-            "plan": backward.plan}
+            "backward_received": backward.bytes_received_per_step, "plan": backward.plan}
 
 
 @pytest.mark.multirank
@@ -93,30 +94,35 @@ def _measure_bytes(rank, world_size, shape, dtype, layout, causal, plan):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 1), (6, 2)], ids=["mha", "mqa", "gqa"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_byte_counter_equals_prediction(workers, world_size, heads, dtype):
+    """Full attention sends the dense formulas; causal sends only the rows each pair needs, exactly as
+    :func:`planner.predicted_transfers` counts them, and the cheaper plan for ``"auto"`` under the mask."""
     heads_q, heads_kv = heads
     batch, local_len, head_dim = 2, 6, 8
-    prediction = plan_attention(batch, local_len * world_size, world_size, heads_q, heads_kv, head_dim, dtype)
-    values = (batch, local_len * world_size, world_size, heads_q, heads_kv, head_dim,
-              torch.empty((), dtype=dtype).element_size())
+    seq_len = local_len * world_size
+    prediction = plan_attention(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
+    values = (batch, seq_len, world_size, heads_q, heads_kv, head_dim, torch.empty((), dtype=dtype).element_size())
     group = workers.get(world_size)
-    # layout and mask decide what is computed, never what is sent: contiguous skips blocks
     for plan, layout, causal in [("kv_ring", "zigzag", True), ("burst", "striped", True),
-                                 ("kv_ring", "contiguous", True), ("burst", "contiguous", False), ("auto", "zigzag", True)]:
-        resolved = prediction.plan if plan == "auto" else plan
-        want_backward = planner._bytes(planner.BACKWARD_BYTES_PER_CALL[resolved], values)
+                                 ("kv_ring", "contiguous", True), ("burst", "contiguous", False), ("auto", "zigzag", True),
+                                 ("kv_ring", "zigzag", False)]:
+        mask = MaskSpec.causal() if causal else MaskSpec.full()
+        transfers = planner.predicted_transfers(layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
+                                                dtype)
+        resolved = planner.cheaper_backward(transfers) if plan == "auto" else plan
         results = group.run(_measure_bytes, (batch, heads_q, heads_kv, local_len, head_dim), dtype, layout, causal, plan)
         for rank, got in enumerate(results):
             context = (rank, plan, layout, causal)
             assert got["plan"] == resolved, context
-            assert got["forward_total"] == prediction.total_bytes["forward"], context
-            assert got["forward_per_step"] == [prediction.predicted_bytes["forward"]] * (world_size - 1) + [0], context
-            assert got["backward_total"] == want_backward, context
-            assert got["backward_total"] / (world_size - 1) == (
-                prediction.predicted_bytes if resolved == prediction.plan else prediction.alternative_bytes
-            )["backward"], context
+            assert got["forward_per_step"] == list(transfers["forward"].sent_per_step[rank]), context
+            assert got["backward_per_step"] == list(transfers[resolved].sent_per_step[rank]), context
+            assert got["backward_received"] == list(transfers[resolved].received_per_step[rank]), context
             assert len(got["backward_per_step"]) == world_size + 1, context
-        if plan == "auto":
-            assert results[0]["backward_total"] == prediction.total_bytes["backward"]
+            if not causal:  # every pair needs every row: the dense formulas
+                assert got["forward_total"] == prediction.total_bytes["forward"], context
+                assert got["forward_per_step"] == [prediction.predicted_bytes["forward"]] * (world_size - 1) + [0]
+                assert got["backward_total"] == planner._bytes(planner.BACKWARD_BYTES_PER_CALL[resolved], values)
+            else:  # skipping never sends more than the dense ring
+                assert got["forward_total"] <= prediction.total_bytes["forward"], context
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])

@@ -316,11 +316,22 @@ def test_contiguous_causal_work_is_unbalanced(workers):
 
 @pytest.mark.multirank
 def test_forward_bytes_per_step_are_exactly_kv(workers):
-    case = Case(3, 2, 4, 2, 6, 8, True, "zigzag", "burst", torch.bfloat16, seed=0)
+    """Full attention: every rank's K/V goes to every other rank.  Causal zigzag: a later rank needs only
+    the head chunk (half the rows), an earlier one both chunks (by hand, P = 3)."""
+    case = Case(3, 2, 4, 2, 6, 8, False, "zigzag", "burst", torch.bfloat16, seed=0)
+    kv_bytes = 2 * case.batch * case.heads_kv * case.local_len * case.head_dim * 2  # k and v, bf16
     for calls in workers.get(3).run(_work_and_bytes, case):
         forward = [c for c in calls if c["op"] == "forward"][0]
-        kv_bytes = 2 * case.batch * case.heads_kv * case.local_len * case.head_dim * 2  # k and v, bf16
-        assert forward["bytes_sent_per_step"] == [kv_bytes, kv_bytes, 0]
+        assert forward["bytes_sent_per_step"] == forward["bytes_received_per_step"] == [kv_bytes, kv_bytes, 0]
+    causal = dataclasses.replace(case, causal=True)
+    half = kv_bytes // 2
+    # rank r sends at step t to rank r + t + 1 and receives from rank r - t - 1
+    sent = {0: [half, half, 0], 1: [half, kv_bytes, 0], 2: [kv_bytes, kv_bytes, 0]}
+    received = {0: [kv_bytes, kv_bytes, 0], 1: [half, kv_bytes, 0], 2: [half, half, 0]}
+    for rank, calls in enumerate(workers.get(3).run(_work_and_bytes, causal)):
+        forward = [c for c in calls if c["op"] == "forward"][0]
+        assert forward["bytes_sent_per_step"] == sent[rank], rank
+        assert forward["bytes_received_per_step"] == received[rank], rank
 
 
 # ---------------------------------------------------------------------------------------------

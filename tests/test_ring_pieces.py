@@ -76,20 +76,24 @@ def test_ring_posts_receives_before_sends(monkeypatch):
     posted = []
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted.extend(ops) or [])
     monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group: (op, tensor, peer))
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     ring = Ring.__new__(Ring)
-    ring.group, ring.size, ring.rank, ring.next_peer, ring.prev_peer = None, 3, 1, 2, 0
+    ring.group, ring.size, ring.rank, ring.timeout_s = None, 3, 1, None
 
     class Recorder:
-        sent_bytes = 0
+        sent_bytes = received_bytes = 0
 
         def sent(self, step, tensors):
             self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
+        def received(self, step, tensors):
+            self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+
     sends, recvs, recorder = [torch.zeros(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)], Recorder()
-    assert ring.post(sends, recvs, recorder, 0) == []
+    assert ring.post_between([(1, sends)], [(-1, recvs)], recorder, 0) == []
     assert [(op, peer) for op, _, peer in posted] == [(dist.irecv, 0), (dist.irecv, 0), (dist.isend, 2), (dist.isend, 2)]
     assert [t for _, t, _ in posted] == recvs + sends
-    assert recorder.sent_bytes == 5 * 4
+    assert recorder.sent_bytes == recorder.received_bytes == 5 * 4
 
 
 def test_op_takes_one_sequence_parallel_group_for_now():

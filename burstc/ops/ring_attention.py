@@ -15,8 +15,9 @@ key at all gets out 0, lse -inf and zero gradients: what single-device SDPA retu
 masked row (its safe softmax), and HF's convention for padded rows.  The pieces:
 
 * :mod:`burstc.ops.ring_loops`: the forward loop and the one backward loop (plans ``kv_ring`` and
-  ``burst``; :mod:`burstc.planner` picks for ``"auto"``);
-* :mod:`burstc.block_geometry`: which blocks of a (query shard, key shard) pair the mask leaves;
+  ``burst``; :mod:`burstc.planner` picks for ``"auto"``), sending each pair only the rows it needs;
+* :mod:`burstc.block_geometry`: which blocks of a (query shard, key shard) pair the mask leaves, and
+  which rows of a pair travel (:func:`~burstc.block_geometry.travelling_rows`);
 * :mod:`burstc.kernels.attention_blocks`: the block kernels;
 * :mod:`burstc.ops.lse_merge`: the LSE convention (fp32, natural log of the scaled scores,
   ``[B, H, S]`` contiguous), the merge, delta;
@@ -45,14 +46,18 @@ PLAN_CHOICES = ("auto",) + PLANS
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def resolve_plan(plan: str, q: Tensor, k: Tensor, world_size: int) -> str:
-    """``"auto"`` -> the planner's cheaper backward for this call's shapes; else ``plan``."""
+def resolve_plan(plan: str, q: Tensor, k: Tensor, world_size: int, layout: str = "zigzag",
+                 mask: MaskSpec | None = None) -> str:
+    """``"auto"`` -> the planner's cheaper backward for this call's shapes, layout and mask (the rows
+    its mask-aware transfers send; causal by default); else ``plan``."""
     if plan != "auto":
         return plan
-    from burstc.planner import plan_attention
+    from burstc.planner import cheaper_backward, predicted_transfers
 
     batch, heads_q, local_len, head_dim = q.shape
-    return plan_attention(batch, local_len * world_size, world_size, heads_q, k.shape[1], head_dim, q.dtype).plan
+    mask = MaskSpec.causal() if mask is None else mask
+    return cheaper_backward(predicted_transfers(layout, mask.static_part, local_len * world_size, world_size, batch,
+                                                heads_q, k.shape[1], head_dim, q.element_size()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +139,7 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
-    return ring_backward(resolve_plan(plan, q, k, ring.size), grad_out, q, k, v, out, lse, grad_lse, ring, layout,
+    return ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse, ring, layout,
                          spec, scale, data)
 
 

@@ -1,7 +1,8 @@
 """Ring communication over ONE process group: neighbours, posting a step's transfers, double buffers.
 
-A :class:`Ring` moves blocks to rank + 1 and receives from rank - 1 of its group.  It knows nothing
-about attention, so that a two-level (inter/intra-node) ring can compose two of them later.
+A :class:`Ring` moves blocks between any two ranks of its group by offset (:meth:`Ring.post_between`: the
+direct pattern of the mask-aware ring, where step t sends a rank's own block to rank + t).  It knows nothing about
+attention, so that a two-level (inter/intra-node) ring can compose two of them later.
 
 Every wait is bounded: by the timeout ``burstc.compile(..., timeout=)`` set for the group
 (:func:`set_wait_timeout`), else by the process group's own; a wait that fails raises
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -32,6 +32,8 @@ def set_wait_timeout(group_name: str, seconds: float | None) -> None:
 class SendRecorder(Protocol):
     def sent(self, step: int, tensors: Sequence[Tensor]) -> None: ...
 
+    def received(self, step: int, tensors: Sequence[Tensor]) -> None: ...
+
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
     """The process group registered under ``group_name`` (what custom ops receive)."""
@@ -41,7 +43,7 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
 
 
 class Ring:
-    """Neighbours of this rank in a 1-D group: blocks move to rank + 1 and arrive from rank - 1."""
+    """This rank in a 1-D group: posts the transfers of one step to and from ranks at given offsets."""
 
     timeout_s: float | None = None  # bound on each wait (set_wait_timeout); None: the group's own timeout
 
@@ -49,22 +51,30 @@ class Ring:
         self.group = group
         self.size = group.size()
         self.rank = group.rank()
-        self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
         self.timeout_s = _WAIT_TIMEOUT_S.get(group.group_name)
 
-    def post(self, sends: Sequence[Tensor], recvs: Sequence[Tensor], recorder: SendRecorder, step: int) -> list:
-        """Start sending ``sends`` to the next rank and receiving ``recvs`` (same shapes, same order
-        on every rank) from the previous one; ``recorder`` counts the sent bytes as ``step``'s.
-        Returns the requests to :func:`wait` for."""
-        if not sends:
+    def peer(self, offset: int) -> int:
+        """The global rank of group rank ``rank + offset`` (mod the group size)."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def post_between(self, sends: Sequence[tuple[int, Sequence[Tensor]]],
+                     recvs: Sequence[tuple[int, Sequence[Tensor]]], recorder: SendRecorder, step: int) -> list:
+        """Start each ``(offset, tensors)`` of ``sends`` towards group rank ``rank + offset`` and each
+        of ``recvs`` from group rank ``rank + offset``; ``recorder`` counts both as ``step``'s.  Two
+        messages between the same two ranks in one call match in list order, so both sides list their
+        kinds of message in the same order.  Receives first: with gloo, a send-first list makes one
+        direction wait behind the other's data (measured 2x slower per step on a rate-limited link).  Returns the requests
+        to :func:`wait` for (none when both lists are empty)."""
+        ops = [dist.P2POp(dist.irecv, t, self.peer(offset), self.group) for offset, tensors in recvs for t in tensors]
+        ops += [dist.P2POp(dist.isend, t, self.peer(offset), self.group) for offset, tensors in sends for t in tensors]
+        for _, tensors in sends:
+            recorder.sent(step, tensors)
+        for _, tensors in recvs:
+            recorder.received(step, tensors)
+        if not ops:
             return []
-        # Receives first: with gloo, a send-first list makes one direction wait behind the other's
-        # data (measured 2x slower per step on a rate-limited link).
-        ops = [dist.P2POp(dist.irecv, t, self.prev_peer, self.group) for t in recvs]
-        ops += [dist.P2POp(dist.isend, t, self.next_peer, self.group) for t in sends]
-        recorder.sent(step, sends)
-        peers = [("receive from", self.prev_peer)] * len(recvs) + [("send to", self.next_peer)] * len(sends)
+        peers = [("receive from", self.peer(offset)) for offset, tensors in recvs for _ in tensors]
+        peers += [("send to", self.peer(offset)) for offset, tensors in sends for _ in tensors]
         return _Posted(dist.batch_isend_irecv(ops), peers, self.timeout_s)
 
 
@@ -84,22 +94,3 @@ def wait(requests) -> None:
         who = f"rank {peer}" if peer is not None else "a peer rank"
         wait_for_peer(request, timeout_s, f"burstc ring attention: rank {dist.get_rank()} waited to {what} {who}",
                       f"Is {who} alive and calling the compiled model?")
-
-
-class DoubleBuffer:
-    """Two sets of receive buffers used alternately: step ``i`` receives into set ``i % 2`` while
-    the set received at step ``i - 1`` is read (and forwarded).  Allocated on first use."""
-
-    def __init__(self, like: Sequence[Tensor], dtype: torch.dtype | None = None):
-        self._like, self._dtype = like, dtype
-        self._sets: list[list[Tensor] | None] = [None, None]
-
-    def get(self, step: int, zero: bool = False) -> list[Tensor]:
-        slot = self._sets[step % 2]
-        if slot is None:
-            slot = self._sets[step % 2] = [
-                torch.empty(t.shape, dtype=self._dtype or t.dtype, device=t.device) for t in self._like]
-        if zero:
-            for t in slot:
-                t.zero_()
-        return slot

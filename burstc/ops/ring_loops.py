@@ -1,18 +1,26 @@
 """The ring loops: the forward and the one backward, over a :class:`burstc.ops.ring_comm.Ring`.
 
-Forward: K/V blocks (with their ``Hkv`` heads, never repeated) travel around the ring; each rank
-attends its resident queries to every block and merges the partial ``(out, lse)`` in fp32.
+Forward: each rank's K/V (with their ``Hkv`` heads, never repeated) visit every other rank; each rank
+attends its resident queries to every visiting block and merges the partial ``(out, lse)`` in fp32.
 
 Backward, parametrized by what travels (:data:`BACKWARD_PLANS`):
 
-* ``kv_ring``: K, V circulate again together with fp32 dK, dV accumulators that end at the block's
-  owner.  Q, dO, dQ stay home.
-* ``burst`` (BurstAttention): Q, dO, LSE and ``delta = rowsum(O * dO)`` circulate together with a
-  travelling fp32 dQ accumulator that returns to its owner.  K, V, dK, dV never leave home.
+* ``kv_ring``: K, V visit again, and the visited rank returns fp32 dK, dV partials for them.  Q, dO,
+  dQ stay home.
+* ``burst`` (BurstAttention): Q, dO, LSE and ``delta = rowsum(O * dO)`` visit, and the visited rank
+  returns an fp32 dQ partial.  K, V, dK, dV never leave home.
 
-Transfers are double-buffered: the next block's transfer is posted before the current block is
-computed and waited for after.  A travelling accumulator trails its block by one step (it travels
-from step 2 on) and makes one last hop home, where its owner's own (step 0) contribution waited.
+Mask-aware transfers, in the direct pattern: at step t every rank sends its OWN travelling rows to
+rank + t and receives rank - t's (not a relay: nothing passes through a rank that does not need it),
+and only the rows the receiver needs, :func:`burstc.block_geometry.travelling_rows` (a pure function
+of the layout, the mask's static part and the pair, so both sides of a pair agree on what is sent and
+what is skipped: a pair the mask hides moves nothing, a sliding window's neighbour sends its halo).
+The rows arrive compact and are unpacked into a whole-shard buffer, so the blocks of
+:func:`burstc.block_geometry.blocks` index them as before.  In the backward, the gradients of the
+rows received at step t go back to their owner at step t + 1 (the last step's in one extra hop).
+Transfers are double-buffered: the next step's transfers are posted before the current block is
+computed and waited for after; a step posts receives before sends.  The bytes are what
+:func:`burstc.planner.predicted_transfers` counts (tested per rank and step).
 Which (query, key) entries of a pair are computed is :func:`burstc.block_geometry.blocks`'s answer;
 full and causal blocks without score mods run the flash-style kernels of
 :mod:`burstc.kernels.attention_blocks`, the others the position-masked kernels of
@@ -21,8 +29,9 @@ full and causal blocks without score mods run the flash-style kernels of
 Runtime terms (documents, key padding): their data (``doc_ids_BS``, ``key_valid_BS``, the whole
 sequence on every rank) are evaluated element-wise, so every block of the static geometry
 (``mask.static_part``) runs the masked kernel, and a pair whose data show nothing visible (disjoint
-document-id ranges, or no valid key, in every batch row) is skipped.  No block need then cover every
-query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
+document-id ranges, or no valid key, in every batch row) is neither computed nor sent (every rank
+decides it from the same replicated data, :func:`burstc.block_geometry.pairs_hidden_by_data`; other
+pairs send their static part's rows).  No block need then cover every query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
 (out 0, lse -inf) and such a row ends with out 0, lse -inf (as single-device SDPA's 0) and zero
 gradients.  Work counters count the entries the data leave visible.
 LSE convention: :mod:`burstc.ops.lse_merge`.
@@ -30,17 +39,19 @@ LSE convention: :mod:`burstc.ops.lse_merge`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import Documents, KeyPadding, MaskSpec
+from burstc.attention_ir import MaskSpec
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
-from burstc.block_geometry import POSITIONS, Block, blocks
+from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_hides_pair, pairs_hidden_by_data, runs_length,
+                                   travelling_rows)
 from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
-from burstc.ops.ring_comm import DoubleBuffer, Ring, wait
+from burstc.ops.ring_comm import Ring, wait
 from burstc.ops.ring_stats import CallRecorder
 
 _DQ, _DK, _DV = 0, 1, 2  # positions in a block's (dq, dk, dv)
@@ -80,22 +91,21 @@ class MaskData:
 def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, ring: Ring,
                  data: MaskData) -> tuple[Block, ...]:
     """The blocks of a pair: :func:`blocks` of the static part, or none when the data show that
-    nothing of the pair is visible in any batch row (exact, O(B * S_local))."""
+    nothing of the pair is visible in any batch row (:func:`data_hides_pair`)."""
     if not mask.runtime_terms:
         return blocks(layout, mask, q_owner, kv_owner, local_len, ring.size)
     found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, ring.size)
-    if not found:
-        return found
-    some_data_BS = data.doc_ids_BS if data.doc_ids_BS is not None else data.key_valid_BS
-    seq_len, device = local_len * ring.size, some_data_BS.device
-    q_pos, kv_pos = (local_positions(seq_len, ring.size, owner, layout, device) for owner in (q_owner, kv_owner))
-    hidden_B = torch.zeros(some_data_BS.shape[0], dtype=torch.bool, device=device)
-    if mask.term(Documents) is not None:  # ids need not be sorted: disjoint [min, max] ranges never meet
-        q_docs, kv_docs = data.doc_ids_BS[:, q_pos], data.doc_ids_BS[:, kv_pos]
-        hidden_B = hidden_B | (q_docs.amax(1) < kv_docs.amin(1)) | (kv_docs.amax(1) < q_docs.amin(1))
-    if mask.term(KeyPadding) is not None:
-        hidden_B = hidden_B | ~data.key_valid_BS[:, kv_pos].any(1)
-    return () if bool(hidden_B.all()) else found
+    if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args()):
+        return ()
+    return found
+
+
+def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: int, ring: Ring, data: MaskData):
+    """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
+    this rank that the runtime data hide move nothing."""
+    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(), rank=ring.rank)
+    return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
+                             world_size=ring.size, hidden_pairs=hidden)
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
@@ -118,26 +128,95 @@ def _record(recorder: CallRecorder, step: int, block: Block, positions, mask: Ma
     recorder.computed(step, block, batch, heads_q, visible)
 
 
+def _gather_rows(t: Tensor, runs: Runs) -> Tensor:
+    """Rows ``runs`` of ``t`` (sequence dim 2: ``[B, H, S, D]`` and ``[B, H, S]`` alike), contiguous."""
+    if len(runs) == 1:
+        start, stop = runs[0]
+        return t[:, :, start:stop].contiguous()  # no copy when it is the whole of a contiguous t
+    return torch.cat([t[:, :, start:stop] for start, stop in runs], 2)
+
+
+def _rows_buffer(like: Tensor, runs: Runs, dtype: torch.dtype | None = None) -> Tensor:
+    shape = list(like.shape)
+    shape[2] = runs_length(runs)
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def _scatter_rows_(full: Tensor, runs: Runs, compact: Tensor, add: bool = False) -> None:
+    offset = 0
+    for start, stop in runs:
+        part = compact[:, :, offset:offset + stop - start]
+        if add:
+            full[:, :, start:stop] += part.to(full.dtype)
+        else:
+            full[:, :, start:stop].copy_(part)
+        offset += stop - start
+
+
+class _Arrivals:
+    """Where a visiting shard's rows are unpacked: two sets of whole-shard buffers used alternately
+    (step ``i`` unpacks into set ``i % 2`` while the other is read), zeroed when allocated.  Rows that
+    did not travel hold zeros or an earlier visitor's (finite) values; no block reads them as
+    visible (the rows that travel are exactly those some entry of the pair needs)."""
+
+    def __init__(self, like: list[Tensor]):
+        self._like, self._sets, self._compact = like, [None, None], [None, None]
+
+    def receive_buffers(self, step: int, runs: Runs) -> list[Tensor]:
+        """Compact buffers for step ``step``'s arriving rows, reused from two steps before when as long
+        (the whole shard arrives into them and is read from them while the next step's arrive)."""
+        found = self._compact[step % 2]
+        if found is None or found[0].shape[2] != runs_length(runs):
+            found = self._compact[step % 2] = [_rows_buffer(t, runs) for t in self._like]
+        return found
+
+    def unpack(self, step: int, runs: Runs, compact: list[Tensor]) -> list[Tensor]:
+        if runs == ((0, self._like[0].shape[2]),):
+            return compact
+        slot = self._sets[step % 2]
+        if slot is None:
+            slot = self._sets[step % 2] = [torch.zeros_like(t) for t in self._like]
+        for full, part in zip(slot, compact):
+            _scatter_rows_(full, runs, part)
+        return slot
+
+
+def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, arrivals: _Arrivals):
+    """``(sends, recvs, arriving rows, arriving buffers)`` for compute step ``step``: this rank sends
+    its own rows that rank + step needs there, and receives what it needs of rank - step's.  Nothing
+    outside ``1 <= step < P``, and nothing for a pair whose rows are empty (both sides agree)."""
+    if not 1 <= step < ring.size:
+        return [], [], (), None
+    send_runs = rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank)
+    recv_runs = rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size)
+    sends = [(step, [_gather_rows(t, send_runs) for t in home])] if send_runs else []
+    arriving = arrivals.receive_buffers(step, recv_runs) if recv_runs else None
+    return sends, [(-step, arriving)] if recv_runs else [], recv_runs, arriving
+
+
 def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
                  scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
     """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring."""
     batch, heads_q, local_len, head_dim = q_BHSD.shape
+    size, rank = ring.size, ring.rank
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
-    kv_cur = [k_BHSD.contiguous(), v_BHSD.contiguous()]
-    kv_buffers = DoubleBuffer(kv_cur)
+    kv_home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
+    rows_between = _rows_between(False, layout, mask, local_len, ring, data)
+    arrivals = _Arrivals(kv_home)
+    kv_cur = kv_home
     out_acc = lse_acc = None
     if mask.runtime_terms:  # rows may see nothing in a block, or anywhere: start empty
         out_acc = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
         lse_acc = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
-    for step in range(ring.size):
-        kv_owner = (ring.rank - step) % ring.size
-        requests = []
-        if step < ring.size - 1:
-            kv_next = kv_buffers.get(step)
-            requests = ring.post(kv_cur, kv_next, recorder, step)
-        for block in _pair_blocks(layout, mask, ring.rank, kv_owner, local_len, ring, data):
+    for step in range(size):
+        kv_owner = (rank - step) % size
+        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
+        requests = ring.post_between(sends, recvs, recorder, step)
+        for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
+            if kv_cur is None:
+                raise AssertionError(f"block {block} of pair ({rank}, {kv_owner}), but no key rows travelled")
             q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
-            positions = _positions_of(block, mask, layout, ring.rank, kv_owner, local_len, ring, q_BHSD.device)
+            positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
             if positions is None:
                 out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
             else:
@@ -157,8 +236,7 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
             else:
                 merge_attention_block_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
         wait(requests)
-        if requests:
-            kv_cur = kv_next
+        kv_cur = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
     recorder.publish()
     return out_acc.to(q_BHSD.dtype).contiguous(), lse_acc.contiguous()
 
@@ -199,9 +277,9 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
                    mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData):
     """The one backward loop.  At step i the travelling side held here belongs to rank (rank - i).
 
-    Gradients of the side at home accumulate at home before the step's transfers are waited for;
-    those of the travelling side go into the accumulator of the block held now (rank's own at step 0,
-    the arriving one from step 1 on, zeroed at its first use), which is forwarded at the next step.
+    Gradients of the side at home accumulate at home as blocks are computed; those of the travelling
+    side go into the visitor's partial gradients (this rank's own at step 0), whose travelled rows go
+    back to the visitor at the next step (the last visitor's in one extra hop), where they are added.
     """
     size, rank = ring.size, ring.rank
     batch, heads_q, local_len, _ = q.shape
@@ -209,21 +287,32 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
              torch.zeros(k.shape, dtype=ACC_DTYPE, device=k.device))
     grads += (torch.zeros_like(grads[_DK]),)
     if plan.queries_travel:
-        travelling, home = [q.contiguous(), grad_out, lse, delta], [k, v]
+        home_travelling, home = [q.contiguous(), grad_out, lse, delta], [k, v]
     else:
-        travelling, home = [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
-    acc_home = [grads[i] for i in plan.travelling_grads]
-    travel_buffers = DoubleBuffer(travelling)
-    acc_buffers = DoubleBuffer(acc_home, ACC_DTYPE)
+        home_travelling, home = [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
+    own_travelling_grads = [grads[i] for i in plan.travelling_grads]
+    rows_between = _rows_between(plan.queries_travel, layout, mask, local_len, ring, data)
+    arrivals = _Arrivals(home_travelling)
+    travelling, previous = home_travelling, None  # previous: (step, its visitor's partial gradients)
     for step in range(size):
         visitor = (rank - step) % size  # owner of the travelling side held now
         q_owner, kv_owner = (visitor, rank) if plan.queries_travel else (rank, visitor)
-        requests, arriving = _post_backward_step(ring, recorder, step, travelling, travel_buffers, acc_buffers)
-        (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
-            (travelling, home) if plan.queries_travel else (home, travelling))
+        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, step + 1,
+                                                                arrivals)
+        back_sends, back_recvs, returned = _return_transfers(ring, rows_between, step - 1, previous,
+                                                             own_travelling_grads)
+        requests = ring.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
+        partial = None
+        if step == 0:
+            partial = own_travelling_grads
+        elif travelling is not None:  # what travelled here goes back, even where the data hide it all
+            partial = [torch.zeros(g.shape, dtype=ACC_DTYPE, device=g.device) for g in own_travelling_grads]
         own_out = out if q_owner == rank else None
-        computed = []
         for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
+            if travelling is None:
+                raise AssertionError(f"block {block} of pair ({q_owner}, {kv_owner}), but no rows travelled")
+            (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
+                (travelling, home) if plan.queries_travel else (home, travelling))
             rows, cols = block.q_rows, block.kv_rows
             inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
                       lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
@@ -236,39 +325,40 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
             _record(recorder, step, block, positions, mask, data, batch, heads_q)
             for i in plan.home_grads:
                 _add_rows_(grads[i], _rows(i, block), block_grads[i])
-            computed.append((block, block_grads))
-        wait(requests)
-        travel_acc = acc_home if step == 0 else acc_buffers.get(step, zero=(step == 1))
-        for block, block_grads in computed:
-            for acc, i in zip(travel_acc, plan.travelling_grads):
+            for acc, i in zip(partial, plan.travelling_grads):
                 _add_rows_(acc, _rows(i, block), block_grads[i])
-        if step < size - 1:
-            travelling = arriving
-    _return_accumulators_home(ring, recorder, acc_buffers, acc_home)
+        wait(requests)
+        _add_returned_(returned, own_travelling_grads)
+        previous = partial if step > 0 else None
+        travelling = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
+    if size > 1:  # the last visitor's gradients go home
+        back_sends, back_recvs, returned = _return_transfers(ring, rows_between, size - 1, previous,
+                                                             own_travelling_grads)
+        wait(ring.post_between(back_sends, back_recvs, recorder, size))
+        _add_returned_(returned, own_travelling_grads)
     return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)
 
 
-def _post_backward_step(ring: Ring, recorder: CallRecorder, step: int, travelling, travel_buffers: DoubleBuffer,
-                        acc_buffers: DoubleBuffer):
-    """Post one backward step's transfers: the inputs that travel (until the last step) and, from
-    step 2 on, the gradient accumulator finished at the previous step (the one of the block held now
-    arrives).  Returns ``(requests, the arriving inputs or None)``."""
-    sends, recvs, arriving = [], [], None
-    if step < ring.size - 1:
-        arriving = travel_buffers.get(step)
-        sends += travelling
-        recvs += arriving
-    if step >= 2:
-        sends += acc_buffers.get(step - 1)
-        recvs += acc_buffers.get(step)
-    return ring.post(sends, recvs, recorder, step), arriving
+def _return_transfers(ring: Ring, rows_between, step: int, partial: list[Tensor] | None, own_grads: list[Tensor]):
+    """``(sends, recvs, (rows, buffers) arriving)`` that return the travelling side's gradients of
+    compute step ``step`` (>= 1; nothing for 0): this rank sends ``partial``, the gradients of the rows it
+    received from rank - step, back there, and receives its own rows' gradients from rank + step.
+    ``partial`` is None exactly when no rows came (then none go back)."""
+    if step < 1:
+        return [], [], ((), None)
+    sends = []
+    if partial is not None:
+        back_runs = rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size)
+        sends = [(-step, [_gather_rows(g, back_runs) for g in partial])]
+    own_runs = rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank)
+    if not own_runs:
+        return sends, [], ((), None)
+    buffers = [_rows_buffer(g, own_runs, ACC_DTYPE) for g in own_grads]
+    return sends, [(step, buffers)], (own_runs, buffers)
 
 
-def _return_accumulators_home(ring: Ring, recorder: CallRecorder, acc_buffers: DoubleBuffer, home: list[Tensor]) -> None:
-    """Last hop: each travelling accumulator reaches its owner and adds into the owner's own share."""
-    if ring.size == 1:
-        return
-    returned = acc_buffers.get(ring.size)
-    wait(ring.post(acc_buffers.get(ring.size - 1), returned, recorder, ring.size))
-    for acc, part in zip(home, returned):
-        acc += part
+def _add_returned_(returned, own_grads: list[Tensor]) -> None:
+    runs, buffers = returned
+    if buffers is not None:
+        for grad, part in zip(own_grads, buffers):
+            _scatter_rows_(grad, runs, part, add=True)

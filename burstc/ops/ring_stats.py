@@ -26,7 +26,8 @@ class RingCallStats:
     ``bytes_sent_per_step[i]``: bytes of every tensor handed to ``isend`` while step ``i`` is
     computed (posted before it, waited for after it).  The forward has ``P`` entries (the last is
     0: nothing left to send); the backward has ``P + 1``: the extra last entry is the hop that
-    returns the travelling gradient accumulator (dK/dV or dQ) to its owner.  Empty when P = 1.
+    returns the travelling gradients (dK/dV or dQ) to their owners.  Empty when P = 1.
+    ``bytes_received_per_step[i]``: the same for the buffers handed to ``irecv``.
     """
 
     op: str                 # "forward" | "backward"
@@ -39,6 +40,7 @@ class RingCallStats:
     dtype: str
     bytes_sent_per_step: list[int]
     work_per_step: list[int]
+    bytes_received_per_step: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def causal(self) -> bool:
@@ -47,6 +49,10 @@ class RingCallStats:
     @property
     def total_bytes_sent(self) -> int:
         return sum(self.bytes_sent_per_step)
+
+    @property
+    def total_bytes_received(self) -> int:
+        return sum(self.bytes_received_per_step)
 
     @property
     def total_work(self) -> int:
@@ -90,11 +96,16 @@ class CallRecorder:
             op=op, plan=plan, rank=ring.rank, world_size=ring.size, layout=layout, mask=mask,
             shape=(batch, heads_q, k.shape[1], local_len, head_dim), dtype=str(q.dtype).removeprefix("torch."),
             bytes_sent_per_step=[0] * steps if ring.size > 1 else [], work_per_step=[0] * ring.size,
+            bytes_received_per_step=[0] * steps if ring.size > 1 else [],
         )
 
     def sent(self, step: int, tensors: Sequence[Tensor]) -> None:
         if self.enabled:
             self.stats.bytes_sent_per_step[step] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def received(self, step: int, tensors: Sequence[Tensor]) -> None:
+        if self.enabled:
+            self.stats.bytes_received_per_step[step] += sum(t.numel() * t.element_size() for t in tensors)
 
     def computed(self, step: int, block: "Block", batch: int, heads_q: int, visible: int | None = None) -> None:
         """``visible``: the block's visible entries summed over the batch, when runtime mask data
