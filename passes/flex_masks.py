@@ -15,8 +15,10 @@ is too large, as for other masks) and must be exactly one :class:`MaskSpec`:
   (torchtitan's ``block_causal``: ``doc[b, q] == doc[b, kv]``): ``static & Documents(input, ids=True)`` when
   probes with sorted, unsorted and one-token documents all agree; the ring op gets the ids every call.
 
-A ``score_mod`` other than the identity (no ``score_mod``), and a returned LSE, are refused with codes: the
-attention then stays FlexAttention (no sequence parallelism).
+The ``score_mod`` is recognized the same way, on random scores: the identity (none given), a soft-cap
+``c * tanh(s / c)`` (:class:`SoftCap`) or an ALiBi bias ``s + slope_h * (kv - q)`` (:class:`Alibi`).  Any
+other ``score_mod``, and a returned LSE, are refused with codes: the attention then stays FlexAttention (no
+sequence parallelism).
 """
 from __future__ import annotations
 
@@ -26,18 +28,18 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from burstc.attention_ir import AttentionMatch, Documents, MaskSpec
+from burstc.attention_ir import AttentionMatch, Documents, MaskSpec, SoftCap
 from burstc.passes import graph_utils
 from burstc.passes.graph_utils import NotConstant, TooLarge, evaluate_constant, input_dependency, \
     numeric_constants, placeholder_kind, val
-from burstc.passes.mask_classification import probe_lengths, spec_of_visibility
+from burstc.passes.mask_classification import alibi_of, probe_lengths, spec_of_visibility
 from burstc.refusals import Refusal, register_codes
 
 FLEX_ATTENTION = getattr(torch.ops.higher_order, "flex_attention", None)
 
 CODES = register_codes("attention", {
-    "flex_score_mod": "a FlexAttention score_mod other than the identity (the ring op executes masks, not "
-                      "arbitrary score functions)",
+    "flex_score_mod": "a FlexAttention score_mod other than the identity, a soft-cap or an ALiBi bias (the "
+                      "ring op executes those, not arbitrary score functions)",
     "flex_outputs": "FlexAttention's logsumexp / max scores are used (the ring op returns the output only)",
     "flex_mask": "the FlexAttention mask_mod is not exactly one supported mask (causal, windows, bands, "
                  "document ids from one integer input)",
@@ -91,6 +93,73 @@ def _is_identity(score_mod: fx.GraphModule | None) -> bool:
     result = output.args[0]
     result = result[0] if isinstance(result, (tuple, list)) and len(result) == 1 else result
     return bool(placeholders) and result is placeholders[0]
+
+
+def _constant_buffers(gm, buffers) -> list | None:
+    """The values of ``buffers`` when they are all compile-time constants, else None."""
+    if any(isinstance(b, fx.Node) and input_dependency(gm, b) is not None for b in buffers):
+        return None
+    try:
+        return [evaluate_constant(gm, b) if isinstance(b, fx.Node) else b for b in buffers]
+    except NotConstant:
+        return None
+
+
+def classify_score_mod(gm: fx.GraphModule, call: FlexCall) -> tuple[tuple, Refusal | None]:
+    """The ``score_mod`` of ``call`` -> (score modifications, None): none for the identity, :class:`SoftCap`
+    for ``c * tanh(s / c)``, :class:`Alibi` for ``s + slope_h * (kv - q)`` (plus a per-row constant, which
+    the softmax ignores); verified on random scores at the lengths the mask uses; else (None, refusal)."""
+    if _is_identity(call.score_mod):
+        return (), None
+    refuse = Refusal(CODES.flex_score_mod, "a FlexAttention score_mod that is not the identity, a soft-cap "
+                                           "c * tanh(s / c) or an ALiBi bias slope_h * (kv - q)")
+    values = _constant_buffers(gm, call.score_buffers)
+    if values is None:
+        return None, refuse
+    q = val(call.query)
+    batch, heads, seq = q.shape[0], q.shape[1], q.shape[2]
+    lengths = [seq]
+    if batch * heads * seq * seq > graph_utils.FULL_EVALUATION_LIMIT:
+        try:
+            lengths = list(probe_lengths(numeric_constants(call.score_mod, call.score_mod.graph.nodes), seq))
+        except TooLarge:
+            return None, refuse
+    found = []
+    for length in lengths:
+        try:
+            mods = _score_mods_at(call.score_mod, values, batch, heads, length)
+        except Exception:  # noqa: BLE001 - a score_mod the probes can't run: not recognized
+            mods = None
+        if mods is None or (found and mods != found[0]):
+            return None, refuse
+        found.append(mods)
+    return found[0], None
+
+
+def _score_mods_at(score_mod, values, batch, heads, seq) -> tuple | None:
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    b, h, q_idx, kv_idx = _indices(batch, heads, seq)
+
+    def modified(scores):
+        out = score_mod(scores, b, h, q_idx, kv_idx, *values)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out.to(torch.float64).expand(batch, heads, seq, seq)
+
+    scores = [(torch.randn(batch, heads, seq, seq, generator=gen) * 8).to(torch.float64) for _ in range(2)]
+    outs = [modified(s.to(torch.float32)) for s in scores]
+    bias = modified(torch.zeros(1, 1, 1, 1))
+    # additive (up to fp32 rounding of s + bias): an ALiBi bias?
+    if all(bool(torch.allclose(o - s, bias, rtol=0, atol=1e-5 * (1 + float(o.abs().max())))) for o, s in zip(outs, scores)):
+        alibi = alibi_of(bias, torch.ones(seq, seq, dtype=torch.bool)[None], heads)
+        return (alibi,) if alibi is not None else None
+    cap = float(modified(torch.full((1, 1, 1, 1), 1e4)).flatten()[0])  # tanh saturates: the output is c
+    if not cap > 0:
+        return None
+    for s, o in zip(scores, outs):
+        want = cap * torch.tanh(s.to(torch.float32).to(torch.float64) / cap)
+        if not bool(torch.allclose(o, want, rtol=1e-5, atol=1e-5 * cap)):
+            return None
+    return (SoftCap(cap),)
 
 
 def _indices(batch, heads, seq):
@@ -198,13 +267,14 @@ def flex_match(gm: fx.GraphModule, call: FlexCall) -> AttentionMatch:
     """The record of one FlexAttention call, keyed by its output ``getitem(_, 0)``; a refusal keeps it as is."""
     refusal = None
     spec = MaskSpec.full()
-    if not _is_identity(call.score_mod):
-        refusal = Refusal(CODES.flex_score_mod, "a FlexAttention score_mod (only masks are executed by the ring)")
-    elif call.other_outputs_used or call.output is None:
+    score_mods, refusal = classify_score_mod(gm, call)
+    if refusal is None and (call.other_outputs_used or call.output is None):
         refusal = Refusal(CODES.flex_outputs, "FlexAttention's logsumexp / max scores are used")
-    else:
+    if refusal is None:
         classified, refusal = classify_flex_mask(gm, call)
         spec = classified if classified is not None else spec
+        for mod in score_mods if refusal is None else ():
+            spec = spec & mod
     q, k = val(call.query), val(call.key)
     return AttentionMatch(node=call.output if call.output is not None else call.node, query=call.query,
                           key=call.key, value=call.value, mask=spec, scale=call.scale, heads_q=q.shape[1],

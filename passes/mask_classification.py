@@ -78,7 +78,7 @@ def spec_of_visibility(visible: torch.Tensor) -> MaskSpec | None:
     return spec if bool((spec.visible(pos, pos) == v).all()) else None
 
 
-def _alibi(bias: torch.Tensor, visible: torch.Tensor, heads: int | None) -> Alibi | None:
+def alibi_of(bias: torch.Tensor, visible: torch.Tensor, heads: int | None) -> Alibi | None:
     """``bias[..., H or 1, S, S]`` on the ``visible`` entries == ``slope_h * (j - i) + c_{h,i}`` -> Alibi."""
     if bias.dim() == 2:
         bias, visible = bias[None], visible[None]
@@ -138,7 +138,7 @@ def spec_of_value(mask, style: str, *, heads: int | None = None) -> tuple[MaskSp
             return None, Refusal(CODES.mask_bias, "additive mask with non-finite visible entries")
         if bool((kept != 0).any()):
             ok_range = bool((kept > torch.finfo(mask.dtype).min / 2).all())
-            alibi = _alibi(mask, visible, heads) if ok_range else None
+            alibi = alibi_of(mask, visible, heads) if ok_range else None
             if alibi is None:
                 return None, Refusal(CODES.mask_bias, "additive mask with values other than 0 and <= finfo.min/2, "
                                                       "not linear in j - i per head (a bias, not a mask)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from burstc.attention_ir import Causal, Documents, MaskSpec, SlidingWindow
+from burstc.attention_ir import Alibi, Causal, Documents, MaskSpec, SlidingWindow, SoftCap
 from burstc.passes import graph_utils
 from burstc.testing import assert_equivalent
 from burstc.testing.graphs import detect_attention_in
@@ -83,12 +83,34 @@ def test_mask_mod_that_is_no_spec_is_refused(mask_mod, code):
     torch.testing.assert_close(got, want)
 
 
-def test_score_mod_and_returned_lse_are_refused():
+def test_soft_cap_and_alibi_score_mods_become_score_modifications():
     def soft_cap(score, b, h, q, k):
         return 30.0 * torch.tanh(score / 30.0)
 
-    match, _, _, _ = _detect(MASKS["causal"][0], score_mod=soft_cap)
-    assert match.refusal.code == "attention.flex_score_mod"
+    match, _, got, want = _detect(MASKS["causal"][0], score_mod=soft_cap)
+    assert match.refusal is None and match.mask == MaskSpec.causal() & SoftCap(30.0)
+    torch.testing.assert_close(got, want)
+    def alibi(score, b, h, q, k):  # slopes built in the graph (constants); a tensor from outside is an input
+        return score + torch.tensor([0.5, 0.125])[h] * (k - q)
+
+    match, _, got, want = _detect(MASKS["window"][0], score_mod=alibi)
+    assert match.refusal is None and match.mask.terms == (Causal(), SlidingWindow(4))
+    assert match.mask.term(Alibi).slopes == pytest.approx((0.5, 0.125))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("score_mod", [
+    lambda score, b, h, q, k: score * 2.0,                              # a temperature: no score modification kind
+    lambda score, b, h, q, k: score + (q - k) ** 2 * 0.01,              # a bias not linear in kv - q
+    lambda score, b, h, q, k: 30.0 * torch.tanh((score + 1.0) / 30.0),  # a cap of a shifted score
+], ids=["scale", "quadratic_bias", "shifted_cap"])
+def test_other_score_mods_are_refused(score_mod):
+    match, context, got, want = _detect(MASKS["causal"][0], score_mod=score_mod)
+    assert match.refusal.code == "attention.flex_score_mod" and not match.shardable
+    torch.testing.assert_close(got, want)
+
+
+def test_returned_lse_is_refused():
     match, _, _, _ = _detect(MASKS["causal"][0], return_lse=True)
     assert match.refusal.code == "attention.flex_outputs"
 
@@ -111,6 +133,9 @@ TRAINED = {
     "causal": (flex_zoo.flex_causal, {"causal (FlexAttention mask_mod)"}),
     "window": (flex_zoo.flex_window, {f"causal&window({flex_zoo.WINDOW - 1},-) (FlexAttention mask_mod)"}),
     "documents": (flex_zoo.flex_documents, {"causal&document_ids(l_doc_ids_) (FlexAttention mask_mod)"}),
+    "documents_soft_capped": (flex_zoo.flex_soft_capped,
+                              {f"causal&document_ids(l_doc_ids_)&softcap({flex_zoo.SOFT_CAP}) (FlexAttention mask_mod)"}),
+    "alibi": (flex_zoo.flex_alibi, None),
 }
 
 
@@ -121,7 +146,10 @@ def test_flex_decoder_is_sharded_and_exact(workers, name):
                                 group=workers.get(2), backend="aot_eager", expect_sharded=True, timeout=600)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert kinds.count("attention") == flex_zoo.LAYERS and "shard" in kinds
-    assert set(results[0]["attention_masks"]) == masks, results[0]["attention_masks"]
+    if masks is None:  # ALiBi: the model's slopes
+        assert all(m.startswith("causal&alibi(0.5,0.25,0.125,0.0625)") for m in results[0]["attention_masks"])
+    else:
+        assert set(results[0]["attention_masks"]) == masks, results[0]["attention_masks"]
 
 
 def test_flex_documents_on_four_ranks_striped(workers):

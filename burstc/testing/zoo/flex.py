@@ -30,11 +30,27 @@ def _mask_mod(kind: str, doc_ids):
     return {"causal": causal, "window": window, "documents": block_causal}[kind]
 
 
+SOFT_CAP = 20.0
+ALIBI_SLOPES = (0.5, 0.25, 0.125, 0.0625)
+
+
+def _score_mod(kind: str | None):
+    def soft_cap(score, b, h, q_idx, kv_idx):  # Gemma-2's cap, as a score_mod
+        return SOFT_CAP * torch.tanh(score / SOFT_CAP)
+
+    slopes = torch.tensor(ALIBI_SLOPES)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return {None: None, "softcap": soft_cap, "alibi": alibi}[kind]
+
+
 class FlexDecoder(nn.Module):
-    def __init__(self, mask: str = "causal"):
+    def __init__(self, mask: str = "causal", score: str | None = None):
         super().__init__()
         torch.manual_seed(0)
-        self.mask = mask
+        self.mask, self.score = mask, score
         self.emb = nn.Embedding(VOCAB, DIM)
         self.qkv = nn.ModuleList(nn.Linear(DIM, (HEADS + 2 * KV_HEADS) * DIM // HEADS) for _ in range(LAYERS))
         self.proj = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
@@ -53,14 +69,14 @@ class FlexDecoder(nn.Module):
             q = q.view(B, S, HEADS, d).transpose(1, 2)
             k = k.view(B, S, KV_HEADS, d).transpose(1, 2)
             v = v.view(B, S, KV_HEADS, d).transpose(1, 2)
-            a = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+            a = flex_attention(q, k, v, score_mod=_score_mod(self.score), block_mask=block_mask, enable_gqa=True)
             h = h + proj(a.transpose(1, 2).reshape(B, S, DIM))
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=-100)
 
 
-def flex_decoder(mask: str = "causal") -> FlexDecoder:
-    return FlexDecoder(mask)
+def flex_decoder(mask: str = "causal", score: str | None = None) -> FlexDecoder:
+    return FlexDecoder(mask, score)
 
 
 def flex_inputs(batch: int = 2, seq: int = 32):
@@ -97,3 +113,5 @@ def flex_loss(model, inputs):
 flex_causal = functools.partial(flex_decoder, "causal")
 flex_window = functools.partial(flex_decoder, "window")
 flex_documents = functools.partial(flex_decoder, "documents")
+flex_soft_capped = functools.partial(flex_decoder, "documents", "softcap")
+flex_alibi = functools.partial(flex_decoder, "causal", "alibi")
