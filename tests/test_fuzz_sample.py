@@ -172,3 +172,10 @@ FULLY_HIDDEN_ROWS = {
 def test_fully_hidden_rows_match_eager(workers, name):
     outcome = run_case(workers, FULLY_HIDDEN_ROWS[name], timeout=WORKER_RUN_TIMEOUT_S)
     assert not outcome.failed, outcome.detail
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"]])
+def test_cli_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fuzz.main(argv)
+    assert exit_info.value.code == 2 and "--ranks must be >= 1" in capsys.readouterr().err
