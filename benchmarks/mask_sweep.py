@@ -22,17 +22,7 @@ import torch
 
 from burstc.testing import WorkerGroup, assert_equivalent, zoo
 
-ARCHITECTURES = [
-    "LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "GemmaConfig", "Gemma2Config", "Gemma3TextConfig",
-    "Phi3Config", "PhiConfig", "GPTNeoXConfig", "StableLmConfig", "OlmoConfig", "Olmo2Config", "Olmo3Config",
-    "OPTConfig", "FalconConfig", "GPT2Config", "Starcoder2Config", "GPTJConfig", "PersimmonConfig", "NemotronConfig",
-    "ExaoneConfig", "Exaone4Config", "GlmConfig", "Glm4Config", "SmolLM3Config", "HeliumConfig", "ArceeConfig",
-    "Ernie4_5Config", "SeedOssConfig", "CodeGenConfig", "BioGptConfig", "GPTBigCodeConfig", "HunYuanDenseV1Config",
-    "ApertusConfig", "Lfm2Config", "DiffLlamaConfig", "BitNetConfig", "MinistralConfig", "Ministral3Config",
-    "NanoChatConfig", "CohereConfig", "Cohere2Config", "GraniteConfig", "MixtralConfig", "Qwen2MoeConfig",
-    "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "MiniMaxConfig", "FlexOlmoConfig", "Glm4MoeConfig",
-    "Llama4TextConfig", "FalconH1Config", "Qwen3NextConfig",
-]
+ARCHITECTURES = list(zoo.HF_ARCHITECTURES)
 LOSSES = {"plain": zoo.hf_loss_no_cache, "packed": zoo.hf_loss_packed, "padded": zoo.hf_loss_with_padding}
 INPUTS = {"plain": zoo.hf_arch_inputs, "packed": zoo.hf_arch_inputs, "padded": zoo.hf_arch_batch_inputs}
 

@@ -123,9 +123,9 @@ def training_step_errors(loss, ref_loss, grads: dict, ref_grads: dict, grad_floo
     gradient on one side only is an infinite error.  ``grad_floor``: a fraction of the largest reference
     gradient below which no gradient's scale goes."""
     errors = {"loss": max_relative_error(loss, ref_loss)}
-    # the largest reference gradient entry that is not NaN (a NaN would make every floored error NaN)
-    magnitudes = [g.detach().abs()[~torch.isnan(g)] for g in ref_grads.values()]
-    floor = grad_floor * max((m.max().item() for m in magnitudes if m.numel()), default=0.0)
+    # the largest finite reference entry: a NaN gradient elsewhere must not make every scale NaN
+    floor = grad_floor * max((g[torch.isfinite(g)].abs().max().item() for g in ref_grads.values()
+                              if torch.isfinite(g).any()), default=0.0)
     for name in sorted(set(ref_grads) | set(grads)):
         errors[f"grad:{name}"] = (max_relative_error(grads.get(name), ref_grads[name], floor)
                                   if name in ref_grads else float("inf"))

@@ -34,6 +34,7 @@ from burstc.testing.zoo.nanogpt import (  # noqa: F401
     nanogpt_loss,
 )
 from burstc.testing.zoo.hf import (  # noqa: F401
+    HF_ARCHITECTURES,
     hf_llama,
     hf_inputs,
     hf_loss_no_cache,

@@ -27,6 +27,19 @@ def hf_loss_default(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
+# The decoder architectures the sweep (benchmarks/mask_sweep.py) and the fuzzer (burstc.testing.fuzz) draw from.
+HF_ARCHITECTURES = (
+    "LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "GemmaConfig", "Gemma2Config", "Gemma3TextConfig",
+    "Phi3Config", "PhiConfig", "GPTNeoXConfig", "StableLmConfig", "OlmoConfig", "Olmo2Config", "Olmo3Config",
+    "OPTConfig", "FalconConfig", "GPT2Config", "Starcoder2Config", "GPTJConfig", "PersimmonConfig", "NemotronConfig",
+    "ExaoneConfig", "Exaone4Config", "GlmConfig", "Glm4Config", "SmolLM3Config", "HeliumConfig", "ArceeConfig",
+    "Ernie4_5Config", "SeedOssConfig", "CodeGenConfig", "BioGptConfig", "GPTBigCodeConfig", "HunYuanDenseV1Config",
+    "ApertusConfig", "Lfm2Config", "DiffLlamaConfig", "BitNetConfig", "MinistralConfig", "Ministral3Config",
+    "NanoChatConfig", "CohereConfig", "Cohere2Config", "GraniteConfig", "MixtralConfig", "Qwen2MoeConfig",
+    "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "MiniMaxConfig", "FlexOlmoConfig", "Glm4MoeConfig",
+    "Llama4TextConfig", "FalconH1Config", "Qwen3NextConfig",
+)
+
 _HF_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
                 n_positions=64, ffn_dim=64, word_embed_proj_dim=32, moe_intermediate_size=32, num_experts=4,

@@ -1,0 +1,181 @@
+"""The model fuzzer (burstc.testing.fuzz): a fixed-seed sample of generated cases on 1-4 gloo ranks (each rewritten
+and exact, or refused with a code and exact; alternative layouts and plans agree; a mesh of one equals mesh=None
+bitwise), and the fuzzer's own machinery: the generator's models run, cases survive repr, the classifier and the
+reducer catch planted failures, reproducers load."""
+from __future__ import annotations
+
+import collections
+import random
+import runpy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from burstc.testing import fuzz
+from burstc.testing.fuzz import Case, Outcome, RandomDraw, classify, generate_case, reduce_case, run_case
+from burstc.testing.fuzz_models import HFSpec, InputSpec, ModelSpec, build_inputs, build_model, compute_loss
+
+pytest.importorskip("transformers")
+
+WORKER_RUN_TIMEOUT_S = 300
+SAMPLE_SEED = 30
+SAMPLE_CASES = 8
+
+
+def sample_cases() -> list[Case]:
+    """The fixed sample: world sizes 1, 2, 3, 4 in turn, everything else drawn from ``SAMPLE_SEED``."""
+    rng = random.Random(SAMPLE_SEED)
+    return [generate_case(RandomDraw(rng), world_sizes=((1, 2, 3, 4)[n % 4],)) for n in range(SAMPLE_CASES)]
+
+
+def test_fuzz_sample(workers, tmp_path):
+    outcomes, failures = [], []
+    for n, case in enumerate(sample_cases()):
+        outcome = run_case(workers, case, timeout=WORKER_RUN_TIMEOUT_S)
+        outcomes.append(outcome)
+        if outcome.failed:
+            path = fuzz.write_reproducer(str(tmp_path), f"sample-{n}", case, outcome)
+            failures.append(f"[{n}] {outcome.kind}: {case.describe()}\n{outcome.detail[:1500]}\nreproducer: {path}")
+    assert not failures, "\n\n".join(failures)
+    kinds = collections.Counter(o.kind for o in outcomes)
+    # the sample covers every outcome that is not a failure, and every world size
+    assert kinds["rewritten"] >= 2 and kinds["refused"] >= 1 and kinds["one_device"] >= 1, kinds
+    assert {c.world_size for c in sample_cases()} == {1, 2, 3, 4}
+    assert all(code for o in outcomes if o.kind == "refused" for code in o.codes)
+
+
+def _draw_cases(n, seed, **kwargs):
+    rng = random.Random(seed)
+    return [generate_case(RandomDraw(rng), **kwargs) for _ in range(n)]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=fuzz.cases(hf_fraction=0.0))
+def test_generated_models_train_in_eager(case):
+    torch.manual_seed(0)
+    model = build_model(case.model, case.seed)
+    inputs = build_inputs(case.inputs, case.vocab)
+    loss = compute_loss(model, inputs)
+    assert loss.shape == ()
+    loss.backward()
+    assert any(p.grad is not None for p in model.parameters())
+    assert inputs["input_ids"].shape == inputs["labels"].shape == (case.inputs.batch, case.inputs.seq)
+    if case.inputs.ignore == "all":
+        assert (inputs["labels"] == -100).all()
+
+
+def test_generator_respects_feature_rules():
+    for case in _draw_cases(300, seed=3, hf_fraction=0.0):
+        m = case.model
+        assert m.heads % m.kv_heads == 0
+        if m.attention == "sdpa_causal":  # is_causal carries no other mask
+            assert not (m.window or m.documents or m.key_padding or m.alibi)
+        if m.score_softcap is not None:
+            assert m.attention == "manual"
+        if m.gqa == "enable_gqa":
+            assert m.attention.startswith("sdpa") and m.kv_heads < m.heads
+        assert case.alternative is None or case.world_size > 1
+        assert sum(case.inputs.documents) <= case.inputs.seq
+        assert all(n < case.inputs.seq for n in case.inputs.pad_lengths)
+
+
+def test_cases_survive_repr():
+    for case in _draw_cases(50, seed=4, hf_fraction=0.5):
+        assert eval(repr(case), {"Case": Case, "ModelSpec": ModelSpec, "HFSpec": HFSpec,
+                                 "InputSpec": InputSpec}) == case
+
+
+def _rank_result(errors, rewrites=("shard",), codes=(), extra=None):
+    run = {"options": {}, "errors": errors, "loss": 1.0, "rewrites": list(rewrites), "skip_codes": list(codes),
+           "summary": "graph 0", **(extra or {})}
+    return {"rank": 0, "ref_loss": 1.0, "ref_nonfinite": False, "runs": [run]}
+
+
+def test_classify_flags_every_failure():
+    case = Case(model=ModelSpec(), inputs=InputSpec(), world_size=2)
+    exact = {"loss": 0.0, "grad:w": 5e-6}
+    assert classify(case, [_rank_result(exact)]).kind == "rewritten"
+    assert classify(case, [_rank_result(exact, rewrites=(), codes=("shard.unsupported_op",))]).codes == [
+        "shard.unsupported_op"]
+    assert classify(case, [_rank_result({"loss": 0.0, "grad:w": 2e-5})]).kind == "mismatch"
+    assert classify(case, [_rank_result({"loss": float("nan")})]).kind == "mismatch"      # NaN never passes
+    assert classify(case, [_rank_result({"loss": float("inf")})]).kind == "mismatch"      # a missing gradient
+    disagree = _rank_result(exact, extra={"errors_vs_first": {"loss": 3e-5}})
+    assert classify(case, [_rank_result(exact), disagree]).kind == "mismatch"             # layouts disagree
+    one = Case(model=ModelSpec(), inputs=InputSpec(), world_size=1)
+    assert classify(one, [_rank_result(exact, extra={"bitwise_vs_no_mesh": True})]).kind == "one_device"
+    assert classify(one, [_rank_result(exact, extra={"bitwise_vs_no_mesh": False})]).kind == "mismatch"
+    crashed = _rank_result(exact)
+    crashed["runs"][0]["error"] = "ValueError: boom"
+    assert classify(case, [crashed]).kind == "crash"
+
+
+class _PlantedPool:
+    """A stand-in worker pool whose cases 'mismatch' exactly when the model has QK-norm (a planted bug)."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def get(self, world_size):
+        return self
+
+    def run(self, fn, case, timeout=None):
+        self.runs += 1
+        errors = {"loss": 1.0 if case.model.qk_norm else 0.0}
+        return [_rank_result(errors, rewrites=("shard",))]
+
+
+def test_reducer_keeps_the_failure_and_drops_the_rest():
+    case = Case(model=ModelSpec(layers=2, qk_norm=True, qkv_bias=True, logits_op="softcap", loss="ce_sum",
+                                positions="rope_complex", mlp="gelu", norm="layer", kv_heads=2),
+                inputs=InputSpec(batch=3, seq=33, ignore="some"), world_size=4,
+                options=(("backend", "aot_eager"), ("layout", "striped"), ("attention_plan", "burst"),
+                         ("lm_head_chunk_size", 7)))
+    pool = _PlantedPool()
+    outcome = run_case(pool, case)
+    assert outcome.kind == "mismatch"
+    reduced, reduced_outcome = reduce_case(pool, case, outcome, max_tries=60)
+    assert reduced_outcome.kind == "mismatch" and reduced.model.qk_norm
+    assert reduced.world_size == 2 and reduced.inputs.batch == 1 and reduced.inputs.ignore == "none"
+    assert (reduced.model.layers, reduced.model.mlp, reduced.model.qkv_bias) == (1, "none", False)
+    assert dict(reduced.options) == {"backend": "aot_eager", "layout": "striped", "attention_plan": "burst"}
+
+
+def test_reproducer_loads_its_case(tmp_path):
+    case = _draw_cases(1, seed=5, hf_fraction=0.0)[0]
+    path = fuzz.write_reproducer(str(tmp_path), "case-x", case, Outcome("mismatch", [], 'rank 0: """quoted"""'))
+    assert runpy.run_path(path, run_name="not_main")["CASE"] == case
+
+
+# Failures the fuzzer found and burstc does not handle yet: strict xfails, so that a fix turns them into passes
+# (then move them into the sample's expectations).  Query rows with every key hidden (left padding: HF's shifted
+# loss reads the last pad position, which predicts the first real token): eager's finite fill (finfo.min) gives a
+# uniform average over all keys; the ring's key_padding mask and the manual->SDPA normal form do not (the latter
+# also when the graph then runs replicated, where torch's CPU SDPA backward is off by a factor S on such rows).
+FULLY_HIDDEN_ROWS = {
+    "hf_llama_eager_left_padded_sharded": Case(
+        model=HFSpec(config_name="LlamaConfig", impl="eager"),
+        inputs=InputSpec(batch=2, seq=16, padding="left", pad_lengths=(5, 0)), world_size=2,
+        options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "auto"))),
+    "manual_finfo_min_left_padded_replicated": Case(
+        model=ModelSpec(attention="manual", key_padding=True, mask_fill="finfo.min", positions="none", mlp="none",
+                        loss="ce_shift"),
+        inputs=InputSpec(batch=1, seq=15, padding="left", pad_lengths=(5,)), world_size=2,
+        options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "auto"))),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="fully hidden query rows (left padding) under eager/manual attention with a "
+                                       "finfo.min fill: burstc's result differs from eager (fuzzer finding)")
+@pytest.mark.parametrize("name", sorted(FULLY_HIDDEN_ROWS))
+def test_fully_hidden_rows_match_eager(workers, name):
+    outcome = run_case(workers, FULLY_HIDDEN_ROWS[name], timeout=WORKER_RUN_TIMEOUT_S)
+    assert not outcome.failed, outcome.detail
+
+
+@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"]])
+def test_cli_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        fuzz.main(argv)
+    assert exit_info.value.code == 2 and "--ranks must be >= 1" in capsys.readouterr().err
