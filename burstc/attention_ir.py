@@ -344,6 +344,10 @@ class AttentionMatch:
     mask_origin: str = ""           # how detection found the mask ("constant mask folded at compile time", ...)
     notes: tuple[str, ...] = ()
     refusal: Any = None             # burstc.refusals.Refusal | None
+    # the model fills hidden scores with a float (finfo.min: eager's uniform average over all keys for a query
+    # row whose every key is hidden; -inf: NaN) where the ring op gives 0: exact only for calls without such
+    # rows, which the backend checks per call (has_fully_hidden_rows)
+    float_fill: bool = False
 
     @property
     def mask_description(self) -> str:
@@ -374,3 +378,49 @@ def document_ids_from_positions(position_ids_BS: torch.Tensor) -> torch.Tensor:
 def document_ids_for_batch(ids: torch.Tensor, batch: int) -> torch.Tensor:
     """Document ids given as a tensor (``[S]`` shared by every row, or ``[B, S]``) -> int64 ``[B, S]``."""
     return ids.to(torch.int64).expand(batch, ids.shape[-1]).contiguous()
+
+
+def has_fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = None,
+                          key_valid_BS: torch.Tensor | None = None) -> bool:
+    """Does some query row of this call see no key at all?  Only :class:`KeyPadding` can hide every key of a
+    row (the static terms and documents always leave the diagonal).  O(B * S): the keys a query may see form
+    one range (its window, within its document when documents are contiguous runs); the row is hidden when
+    that range holds no valid key.  Unsorted document ids (a document resuming later): answered exactly
+    through the dense ``[B, S, S]`` visibility, chunked by rows."""
+    if key_valid_BS is None or mask.term(KeyPadding) is None:
+        return False
+    valid_BS = key_valid_BS.to(torch.bool)
+    batch, seq = valid_BS.shape
+    i = torch.arange(seq, device=valid_BS.device)
+    window, documents = mask.term(SlidingWindow), mask.term(Documents)
+    if documents is not None and doc_ids_BS is not None and not _documents_are_runs(doc_ids_BS):
+        for start in range(0, seq, 1024):  # unsorted ids: a document is not one run
+            rows = i[start:start + 1024]
+            visible = mask.visible(rows, i, q_docs=doc_ids_BS[:, start:start + 1024], kv_docs=doc_ids_BS,
+                                   kv_valid=valid_BS)
+            if bool((~visible.any(-1)).any()):
+                return True
+        return False
+    lo = torch.zeros(batch, seq, dtype=torch.long, device=valid_BS.device)
+    hi = i.expand(batch, seq).clone() if mask.term(Causal) is not None else torch.full_like(lo, seq - 1)
+    if window is not None and window.left is not None:
+        lo = torch.maximum(lo, i - window.left)
+    if window is not None and window.right is not None:
+        hi = torch.minimum(hi, i + window.right)
+    if documents is not None and doc_ids_BS is not None:
+        starts = torch.ones(batch, seq, dtype=torch.bool, device=valid_BS.device)
+        starts[:, 1:] = doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]
+        doc_start = torch.cummax(torch.where(starts, i, 0), dim=-1).values
+        ends = torch.ones_like(starts)
+        ends[:, :-1] = starts[:, 1:]
+        doc_end = torch.flip(torch.cummin(torch.flip(torch.where(ends, i, seq - 1), [-1]), dim=-1).values, [-1])
+        lo, hi = torch.maximum(lo, doc_start), torch.minimum(hi, doc_end)
+    prefix = torch.nn.functional.pad(valid_BS.to(torch.long).cumsum(-1), (1, 0))
+    count = prefix.gather(-1, hi + 1) - prefix.gather(-1, lo)
+    return bool((count == 0).any())
+
+
+def _documents_are_runs(doc_ids_BS: torch.Tensor) -> bool:
+    """Is every document one contiguous run of tokens (as many id changes as distinct ids, less one)?"""
+    changes = (doc_ids_BS[:, 1:] != doc_ids_BS[:, :-1]).sum(-1)
+    return all(int(changes[b]) == doc_ids_BS[b].unique().numel() - 1 for b in range(doc_ids_BS.shape[0]))

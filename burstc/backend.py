@@ -13,8 +13,8 @@ import torch.fx as fx
 from burstc._logging import dump_graph
 from burstc.config import BurstConfig
 from burstc.errors import check_mesh_alive
-from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, note_padded_fallback, \
-    reinsert_dropped_outputs, watch_recompile_limit
+from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, hidden_rows_guarded, \
+    note_hidden_rows_fallback, note_padded_fallback, reinsert_dropped_outputs, watch_recompile_limit
 from burstc.lowering import lower
 from burstc.pass_context import GraphFacts, PassContext
 from burstc.passes import run_stage
@@ -122,6 +122,9 @@ class BurstBackend:
                     refusal, reason=f"even with the attention-mask input assumed all ones: {refusal.reason}"))
             guarded = ()
         compiled = self._finish(gm, example_inputs, record, context)
+        checks = context.facts.sharding.hidden_row_checks if context.facts.sharding is not None else ()
+        if checks:
+            compiled = hidden_rows_guarded(compiled, checks, lambda args: self._compile_unsharded(record, args))
         if not guarded:
             return compiled
         return all_ones_guarded(compiled, guarded,
@@ -155,6 +158,16 @@ class BurstBackend:
         fallback_record.graphs["captured"] = record.graphs["captured"]
         gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), args, fallback_record,
                                     self._without_specialization())
+        return self._finish(gm, args, fallback_record, context)
+
+    def _compile_unsharded(self, record, args):
+        """The graph with no shard pass (replicated, the model's attention as written), compiled on the first
+        call a sharded graph can't compute exactly (see ``hidden_rows_guarded``); its own graph record."""
+        note_hidden_rows_fallback(self.report, record.graph_id)
+        fallback_record = self.report.new_graph()
+        fallback_record.graphs["captured"] = record.graphs["captured"]
+        config = dataclasses.replace(self.config, disable_passes=self.config.disable_passes + ("shard",))
+        gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), args, fallback_record, config)
         return self._finish(gm, args, fallback_record, context)
 
     def _finish(self, gm, example_inputs, record, context):

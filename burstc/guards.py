@@ -46,6 +46,46 @@ def all_ones_guarded(compiled: Callable, positions: tuple[int, ...], compile_fal
     return run
 
 
+def hidden_rows_guarded(compiled: Callable, checks: tuple, compile_fallback: Callable) -> Callable:
+    """``compiled`` unless this call's inputs give some query row no visible key under one of ``checks``'
+    masks (``(mask, {runtime source: input position})``, from ``ShardingFact.hidden_row_checks``); then
+    ``compile_fallback(args)`` (compiled on the first such call, then reused).  Every rank holds the same
+    inputs (``check_inputs``), so every rank takes the same branch.  O(B * S) per check and call."""
+    fallback: list[Callable] = []
+
+    def run(*args):
+        if not any(_hides_a_row(mask, sources, args) for mask, sources in checks):
+            return compiled(*args)
+        if not fallback:
+            fallback.append(compile_fallback(args))
+        return fallback[0](*args)
+
+    return run
+
+
+def _hides_a_row(mask, sources: dict, args) -> bool:
+    from burstc.attention_ir import Documents, KeyPadding, document_ids_for_batch, document_ids_from_positions, \
+        has_fully_hidden_rows
+
+    documents, padding = mask.term(Documents), mask.term(KeyPadding)
+    key_valid = args[sources[padding.source]].ne(0)
+    doc_ids = None
+    if documents is not None:
+        raw = args[sources[documents.source]]
+        doc_ids = document_ids_for_batch(raw, key_valid.shape[0]) if documents.ids else document_ids_from_positions(raw)
+    return has_fully_hidden_rows(mask, doc_ids_BS=doc_ids, key_valid_BS=key_valid)
+
+
+def note_hidden_rows_fallback(report: Report, graph_id: int) -> None:
+    """Report (and warn) that calls with a fully hidden query row run the unsharded graph."""
+    message = ("a call has a query row whose every key is hidden (left padding?) under an attention mask the model "
+               "fills with a float (eager averages such a row over all keys, or gives NaN; the ring op gives 0): "
+               f"such calls run graph {len(report.graph_records)}, compiled unsharded (replicated), exact")
+    report.skipped.append(SkipRecord("shard", "graph", "", message, graph_id, "backend", PIPELINE.hidden_rows_fallback))
+    log_event("rewrites", "graph %d: %s", graph_id, message)
+    warnings.warn(f"burstc: {message}", stacklevel=3)
+
+
 def note_padded_fallback(report: Report, graph_id: int, input_names: str) -> None:
     """Report (and warn) that calls with a padded batch run an unspecialized, unsharded graph."""
     message = (f"input {input_names} was not all ones (a padded batch): the calls with such inputs run graph "

@@ -27,6 +27,10 @@ class ShardingFact:
     plans: tuple[str, ...]          # the backward plan of each ring attention, in graph order
     seq_len: int
     padded_len: int
+    # per ring attention whose model fills hidden scores with a float (AttentionMatch.float_fill): its mask and
+    # the placeholder positions of its runtime data; a call where one of its query rows sees no key runs the
+    # unsharded graph (guards.hidden_rows_guarded)
+    hidden_row_checks: tuple = ()
 
 
 @dataclass

@@ -69,4 +69,6 @@ PIPELINE = register_codes("pipeline", {
     "pass_failed": "a pass raised an unexpected error on this candidate; it was left unrewritten",
     "checkpoint_kept_inlined": "a checkpointed region could not be restored after the passes and stays inlined",
     "padded_fallback": "a call's inputs broke a specialization; it runs a graph compiled without it",
+    "hidden_rows_fallback": "a call has a query row that sees no key under a mask the model fills with a float "
+                            "(eager averages such rows over all keys); it runs the unsharded graph",
 })

@@ -38,6 +38,7 @@ After::
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from burstc.attention_ir import AttentionMatch, MaskSpec, SoftCap
+from burstc.attention_ir import AttentionMatch, KeyPadding, MaskSpec, SoftCap
 from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
                                        is_function, is_method, set_meta, val)
 from burstc.passes.flex_masks import flex_call, flex_match, is_flex_attention
@@ -392,12 +393,18 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
             context.facts.attention[node] = _manual_match(node, found, None, refusal)
             context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
             return None
-    if found["softcap"] is not None:
-        # SDPA can't express a score mod: dropping the cap would be wrong wherever the shard pass
-        # refuses the graph, so the manual nodes stay as written; the match (on ``probs @ v``) carries
-        # the SoftCap, and the shard pass replaces the whole manual attention by the ring op
-        spec = spec & SoftCap(found["softcap"])
-        context.facts.attention[node] = _manual_match(node, found, spec, None)
+    # a manual mask hides scores with a float (added, or filled in): a query row whose every key is hidden
+    # (only key padding can do that: left padding) gets eager's uniform average over all keys (finfo.min) or
+    # NaN (-inf), which SDPA (0 for such rows) does not compute: the attention stays as written
+    float_fill = spec.term(KeyPadding) is not None
+    if found["softcap"] is not None or float_fill:
+        # SDPA can't express a score mod (nor a float fill's hidden rows): dropping the cap would be wrong
+        # wherever the shard pass refuses the graph, so the manual nodes stay as written; the match (on
+        # ``probs @ v``) carries the spec, and the shard pass replaces the whole manual attention by the ring op
+        if found["softcap"] is not None:
+            spec = spec & SoftCap(found["softcap"])
+        context.facts.attention[node] = dataclasses.replace(_manual_match(node, found, spec, None),
+                                                            float_fill=float_fill)
         return None
     mask_kwargs, refusal = _manual_sdpa_mask(gm, node, found, spec, fake_mode)
     if refusal is not None:
@@ -432,6 +439,10 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 notes = ("repeat_kv undone: kv heads travel unrepeated",)
                 unrepeated += 1
             match = _match_of(node, origin, refusal, notes, "sdpa", spec)
+            mask = sdpa_kwargs(node)["attn_mask"]
+            if spec is not None and spec.term(KeyPadding) is not None and isinstance(mask, fx.Node) \
+                    and val(mask) is not None and val(mask).is_floating_point():
+                match = dataclasses.replace(match, float_fill=True)  # an additive finfo.min / -inf mask
             context.facts.attention[node] = match
             if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
                 folded += origin == _FOLDED

@@ -264,11 +264,12 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if padded_len != seq_len and not all(_pads_hidden(_mask_of(n, context.facts.attention.get(n)))
                                          for n in plan.attention):
         # padding at the end is exact only when no real token can see a pad
-        raise ValueError(
-            f"burstc: sequence length {seq_len} is not a multiple of {multiple}, which layout "
-            f"{config.layout!r} needs on {context.world_size} ranks, and padding is exact only when no real "
-            f"token can see a pad (causal attention, documents, key padding); pad the batch to a multiple of "
-            f"{multiple}")
+        context.skip(KIND, "graph", f"sequence length {seq_len} is not a multiple of {multiple}, which layout "
+                                    f"{config.layout!r} needs on {context.world_size} ranks, and padding is exact "
+                                    "only when no real token can see a pad (causal attention, documents, key "
+                                    f"padding); the graph runs unsharded - pad the batch to a multiple of {multiple} "
+                                    "to shard it", module="", code=CODES.padding_not_exact)
+        return gm
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
                      module="", code=CODES.no_sequence_work)
@@ -279,6 +280,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      code=problem.code)
         return gm
     group_name = _group_name(context)
+    hidden_row_checks = _hidden_row_checks(gm, plan, context)
     gathered, plans = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
@@ -291,8 +293,21 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "gathered_outputs": gathered or None,
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
-                                          seq_len=seq_len, padded_len=padded_len)
+                                          seq_len=seq_len, padded_len=padded_len,
+                                          hidden_row_checks=hidden_row_checks)
     return gm
+
+
+def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
+    """``(mask, {runtime source: placeholder position})`` of every ring attention to be whose model fills hidden
+    scores with a float (its fully hidden query rows are not the ring op's zeros), one per distinct mask."""
+    position = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    checks = {}
+    for node in plan.attention:
+        match = context.facts.attention.get(node)
+        if match is not None and match.float_fill:
+            checks[match.mask] = {source: position[source] for source in match.mask.runtime_sources}
+    return tuple(checks.items())
 
 
 def _mask_of(node: fx.Node, match) -> MaskSpec:

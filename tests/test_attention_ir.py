@@ -110,3 +110,28 @@ def test_visible_needs_the_runtime_data_it_reads():
         (MaskSpec.causal() & Documents("position_ids")).visible(torch.arange(4), torch.arange(4))
     with pytest.raises(NotImplementedError):
         MaskSpec((FlexMask("g"),)).visible(torch.arange(4), torch.arange(4))
+
+
+def test_fully_hidden_rows_agree_with_dense_visibility():
+    """has_fully_hidden_rows (O(B * S) ranges; unsorted document ids through the dense visibility) vs the dense
+    visibility on random paddings, windows, bands and documents (sorted runs and unsorted ids)."""
+    from burstc.attention_ir import Documents, KeyPadding, SlidingWindow, has_fully_hidden_rows
+
+    specs = [MaskSpec.causal() & KeyPadding("m"), MaskSpec.full() & KeyPadding("m"),
+             MaskSpec.causal() & SlidingWindow(3) & KeyPadding("m"), MaskSpec((SlidingWindow(2, 1), KeyPadding("m"))),
+             MaskSpec.causal() & Documents("p", ids=True) & KeyPadding("m"),
+             MaskSpec.full() & Documents("p", ids=True) & KeyPadding("m")]
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for trial in range(300):
+        spec = specs[trial % len(specs)]
+        seq = int(torch.randint(1, 20, (), generator=g))
+        valid = torch.rand(2, seq, generator=g) < float(torch.rand((), generator=g))
+        docs = (torch.cumsum((torch.rand(2, seq, generator=g) < 0.3).long(), -1) if trial % 3 == 0
+                else torch.randint(0, 3, (2, seq), generator=g))
+        i = torch.arange(seq)
+        want = bool((~spec.visible(i, i, q_docs=docs, kv_docs=docs, kv_valid=valid).any(-1)).any())
+        assert has_fully_hidden_rows(spec, doc_ids_BS=docs, key_valid_BS=valid) == want, (spec, valid, docs)
+        seen.add(want)
+    assert seen == {True, False}
+    assert not has_fully_hidden_rows(MaskSpec.causal(), key_valid_BS=torch.zeros(1, 4, dtype=torch.bool))

@@ -148,11 +148,10 @@ def test_reproducer_loads_its_case(tmp_path):
     assert runpy.run_path(path, run_name="not_main")["CASE"] == case
 
 
-# Failures the fuzzer found and burstc does not handle yet: strict xfails, so that a fix turns them into passes
-# (then move them into the sample's expectations).  Query rows with every key hidden (left padding: HF's shifted
-# loss reads the last pad position, which predicts the first real token): eager's finite fill (finfo.min) gives a
-# uniform average over all keys; the ring's key_padding mask and the manual->SDPA normal form do not (the latter
-# also when the graph then runs replicated, where torch's CPU SDPA backward is off by a factor S on such rows).
+# Found by the fuzzer, fixed: query rows with every key hidden (left padding: HF's shifted loss reads the last pad
+# position, which predicts the first real token).  Eager's finite fill (finfo.min) gives a uniform average over all
+# keys, where the ring op (and SDPA) give 0: such attention stays as written, and a call with such a row runs the
+# unsharded graph (pipeline.hidden_rows_fallback).
 FULLY_HIDDEN_ROWS = {
     "hf_llama_eager_left_padded_sharded": Case(
         model=HFSpec(config_name="LlamaConfig", impl="eager"),
@@ -166,8 +165,6 @@ FULLY_HIDDEN_ROWS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="fully hidden query rows (left padding) under eager/manual attention with a "
-                                       "finfo.min fill: burstc's result differs from eager (fuzzer finding)")
 @pytest.mark.parametrize("name", sorted(FULLY_HIDDEN_ROWS))
 def test_fully_hidden_rows_match_eager(workers, name):
     outcome = run_case(workers, FULLY_HIDDEN_ROWS[name], timeout=WORKER_RUN_TIMEOUT_S)

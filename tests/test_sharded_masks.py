@@ -110,3 +110,17 @@ def test_document_ids_a_model_compares_itself(workers):
     results = assert_equivalent(zoo.document_ids_masked, zoo.document_ids_inputs, zoo.document_ids_loss,
                                 world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=True)
     assert [m.split(" ")[0] for m in results[0]["attention_masks"]] == ["causal&document_ids(l_doc_ids_)"]
+
+
+@pytest.mark.parametrize("loss_fn, falls_back", [(zoo.hf_loss_with_padding, False), (zoo.hf_loss_left_padded, True)],
+                         ids=["right_padded_sharded", "left_padded_falls_back"])
+def test_eager_key_padding_with_fully_hidden_rows(workers, loss_fn, falls_back):
+    """HF eager fills padded scores with finfo.min: a query row whose every key is padding (left padding) gets
+    eager's uniform average over all keys, which the ring op does not compute.  Right padding never hides a
+    whole row: sharded.  Left padding does: that call runs the unsharded graph (exact), with a report line."""
+    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, "LlamaConfig", "eager"),
+                                zoo.hf_arch_batch_inputs, loss_fn, world_size=2, group=workers.get(2),
+                                backend="aot_eager", expect_sharded=True, timeout=300)
+    assert ("pipeline.hidden_rows_fallback" in results[0]["skip_codes"]) == falls_back, results[0]["skipped"]
+    masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
+    assert masks == {"causal&key_padding"}, results[0]["attention_masks"]

@@ -30,4 +30,6 @@ CODES = register_codes("shard", {
                             "would be counted once per rank",
     "no_sequence_work": "no attention or loss over the sequence: nothing worth sharding",
     "analysis_failed": "the shard analysis raised an unexpected error (a bug to report)",
+    "padding_not_exact": "the length is not a multiple of what the layout needs and a real token could see the "
+                         "pads the layout would add (attention with no causal, document or key-padding term)",
 })
