@@ -160,7 +160,6 @@ def checkpoint_mode_task(rank, world_size, model_fn, inputs_fn, loss_fn, modes):
 
 MODE_CASES = {
     "titan_llama": (zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss),
-    "hf_llama": (zoo.hf_llama, zoo.hf_inputs, zoo.hf_loss_no_cache),
     # the model's own checkpointing, made selective: its ring attention is kept, not recomputed
     "hf_llama_checkpointed": (zoo.hf_llama_checkpointed, zoo.hf_inputs, zoo.hf_loss_default),
 }
