@@ -42,6 +42,7 @@ MERGE_UNIT = ["tests/test_ring_attention.py", "-k", "merge or stand_in or refere
 RING_P2 = ["tests/test_ring_attention.py", "-k", "causal_gqa and 2-"]
 RING_P4 = ["tests/test_ring_attention.py", "-k", "causal_gqa and 4-"]
 RING_LSE = ["tests/test_ring_attention.py", "-k", "gradient_through_lse"]
+SHARD_SEQ_GRAD = ["tests/test_ring_attention.py", "-k", "shard_seq_gradient"]
 RING_STRIPED = ["tests/test_ring_attention.py", "-k", "causal_gqa and striped"]
 SKIP_UNIT = ["tests/test_ring_skipping.py", "-m", "not multirank"]
 MASK_UNIT = ["tests/test_ring_masks.py", "-m", "not multirank"]
@@ -193,7 +194,7 @@ MUTANTS = [
     _m("unshard_grad_wrong_positions", "burstc/ops/sequence.py",
        "full = grad.new_zeros(shape).index_copy(dim, _positions(group_name, total, layout, grad.device), grad)",
        "full = grad.new_zeros(shape).index_copy(dim, _positions(group_name, total, \"contiguous\", grad.device), grad)",
-       "the shard's backward scatters the gradient in contiguous order whatever the layout", MODEL_LAYOUTS),
+       "the shard's backward scatters the gradient in contiguous order whatever the layout", SHARD_SEQ_GRAD, MODEL_LAYOUTS),
     # --- the loss -------------------------------------------------------------------------------------------
     _m("local_token_count", "passes/shard.py",
        "valid = graph.call_function(operator.ne, (target, ignore_index))",

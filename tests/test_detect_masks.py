@@ -370,3 +370,16 @@ def test_every_static_band_is_classified_with_its_exact_visibility(seq):
                 found = spec_of_visibility(visible)
                 assert found is not None, (seq, terms)
                 assert torch.equal(found.visible(pos, pos), visible), (seq, terms, found)
+
+
+def test_manual_attention_divided_by_sqrt_d_keeps_its_scale():
+    """``scores / sqrt(d)`` (GPT-2, nanoGPT's manual path) is the scale 1 / sqrt(d), not sqrt(d)."""
+    def attention(q, k, v):
+        scores = (q @ k.transpose(-2, -1)) / (D ** 0.5)
+        return torch.softmax(scores.masked_fill(~window_mask(S), float("-inf")), dim=-1) @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    match = _one_match(context)
+    assert match.refusal is None and match.mask == MaskSpec.causal()
+    assert match.scale == pytest.approx(D ** -0.5)
+    torch.testing.assert_close(got, want)
