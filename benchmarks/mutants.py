@@ -106,7 +106,7 @@ MUTANTS = [
     _m("stand_in_ratio", "burstc/ops/lse_merge.py",
        "delta / norm_sq, torch.zeros_like(norm_sq)",
        "delta / norm_sq.sqrt(), torch.zeros_like(norm_sq)",
-       "stand-in output normalised by |dO| instead of |dO|^2", MERGE_UNIT, RING_P2),
+       "stand-in output divided by the norm of dO instead of its square", MERGE_UNIT, RING_P2),
     _m("delta_lse_grad_sign", "burstc/ops/ring_loops.py",
        "delta_BHS = delta_BHS - grad_lse_BHS.to(ACC_DTYPE)",
        "delta_BHS = delta_BHS + grad_lse_BHS.to(ACC_DTYPE)",
