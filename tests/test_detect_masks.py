@@ -351,3 +351,35 @@ def test_hf_falcon_alibi_is_detected_per_layer(impl):
         assert m.mask.terms == (Causal(),) and m.refusal is None and m.node.target is SDPA
         assert m.mask.term(Alibi).slopes == pytest.approx(slopes, rel=1e-5)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("seq", [2, 5, 9])
+def test_every_static_band_is_classified_with_its_exact_visibility(seq):
+    """Every causal / window / band of every width up to the whole sequence (the widths next to S - 1
+    included, where a window stops hiding anything) comes back as a spec with exactly that visibility."""
+    from burstc.passes.mask_classification import spec_of_visibility
+
+    pos = torch.arange(seq)
+    widths = [None, *range(seq)]
+    for causal in (False, True):
+        for left in widths:
+            for right in [None] if causal else widths:
+                terms = ([Causal()] if causal else []) + (
+                    [SlidingWindow(left, right)] if left is not None or right is not None else [])
+                visible = MaskSpec(tuple(terms)).visible(pos, pos)
+                found = spec_of_visibility(visible)
+                assert found is not None, (seq, terms)
+                assert torch.equal(found.visible(pos, pos), visible), (seq, terms, found)
+
+
+def test_manual_attention_divided_by_sqrt_d_keeps_its_scale():
+    """``scores / sqrt(d)`` (GPT-2, nanoGPT's manual path) is the scale 1 / sqrt(d), not sqrt(d)."""
+    def attention(q, k, v):
+        scores = (q @ k.transpose(-2, -1)) / (D ** 0.5)
+        return torch.softmax(scores.masked_fill(~window_mask(S), float("-inf")), dim=-1) @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    match = _one_match(context)
+    assert match.refusal is None and match.mask == MaskSpec.causal()
+    assert match.scale == pytest.approx(D ** -0.5)
+    torch.testing.assert_close(got, want)

@@ -577,3 +577,25 @@ def test_autocast_casts_like_sdpa(workers, plan):
             allowed = tolerance(torch.bfloat16, f"attention_{name}")
             assert error["finite"] and error["max_error"] <= allowed.atol + allowed.rtol * error["scale"], \
                 (name, error)
+
+
+def _shard_seq_and_its_gradient(rank, world_size, layout, seq_len, padded_len):
+    """Worker task: burstc::shard_seq's rows and the gradient its backward scatters back, against the layout."""
+    import burstc.ops.sequence  # noqa: F401 - registers burstc::shard_seq
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, seq_len, 3, generator=gen).requires_grad_()
+    local = torch.ops.burstc.shard_seq(x, 1, dist.group.WORLD.group_name, layout, padded_len)
+    grad_local = torch.randn(local.shape, generator=gen) + rank
+    local.backward(grad_local)
+    positions = layouts.local_positions(max(seq_len, padded_len), world_size, rank, layout)
+    padded_x = torch.cat([x.detach(), x.new_zeros(2, max(padded_len - seq_len, 0), 3)], 1)
+    want_grad = torch.zeros_like(padded_x).index_copy(1, positions, grad_local)[:, :seq_len]
+    return torch.equal(local, padded_x[:, positions]), torch.equal(x.grad, want_grad)
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("seq_len,padded_len", [(12, -1), (14, 16)])
+def test_shard_seq_gradient_goes_back_to_the_layout_positions(workers, layout, seq_len, padded_len):
+    for rows_right, grad_right in workers.get(2).run(_shard_seq_and_its_gradient, layout, seq_len, padded_len):
+        assert rows_right and grad_right

@@ -49,6 +49,18 @@ def test_blocks_cover_exactly_the_visible_entries(layout, world_size, mask_name)
                 assert sum(b.score_entries for b in found) == int(visible.sum()), context
 
 
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_unshard_inverts_shard(layout, world_size):
+    """The shards hold the layout's positions and unshard puts them back in global order."""
+    seq_len = 2 * world_size * 3
+    x_BSD = torch.randn(2, seq_len, 3)
+    shards = [layouts.shard(x_BSD, 1, world_size, r, layout) for r in range(world_size)]
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard, x_BSD[:, layouts.local_positions(seq_len, world_size, r, layout)])
+    assert torch.equal(layouts.unshard(shards, 1, layout), x_BSD)
+
+
 @pytest.mark.parametrize("rows,cols", [(4, 4), (5, 3), (3, 5), (1, 7)])
 def test_block_score_entries(rows, cols):
     assert Block(0, rows, 0, cols, FULL).score_entries == rows * cols

@@ -115,6 +115,19 @@ def test_operands_sharded_along_different_dims_are_refused():
     assert why.code == CODES.misaligned_operands and why.reason == "operands sharded along different dims"
 
 
+@pytest.mark.parametrize("op,target,expected", [
+    (lambda x: x.unsqueeze(1), "unsqueeze", Shard(2)),  # a dim inserted at the sequence dim's own index moves it
+    (lambda x: x.unsqueeze(0), "unsqueeze", Shard(2)),
+    (lambda x: x.unsqueeze(2), "unsqueeze", Shard(1)),  # inserted after it: it stays
+    (lambda x: x.sum(0), "sum", Shard(0)),  # an earlier dim reduced away: the sequence dim moves down
+    (lambda x: x.sum(0, keepdim=True), "sum", Shard(1)),
+    (lambda x: x.sum(-1), "sum", Shard(1)),
+])
+def test_dims_inserted_or_reduced_before_the_sequence_move_it(op, target, expected):
+    analyzer = analyze(lambda ids, t: op(embed(ids, t)), tokens(), TABLE)
+    assert place_of(analyzer, target) == expected
+
+
 # -- position-wise ops -------------------------------------------------------------------------------
 def test_linear_and_layer_norm_over_the_hidden_dim_keep_the_shard():
     weight, gamma = torch.randn(H, H), torch.ones(H)
