@@ -53,9 +53,7 @@ PLANNER = ["tests/test_planner.py"]
 LCE_OP = ["tests/test_linear_cross_entropy_op.py"]
 FUSE = ["tests/test_fuse_lm_head_loss.py"]
 DETECT = ["tests/test_detect_masks.py"]
-# test_attention_whose_mask_needs_runtime_data[True] fails unmutated on this branch (it expects the refusal that
-# commit 116b892 lifted): deselected so that it cannot pass for a kill
-RULES = ["tests/test_shard_rules.py", "-k", "not test_attention_whose_mask_needs_runtime_data"]
+RULES = ["tests/test_shard_rules.py"]
 MODEL_GQA = ["tests/test_sharded_models.py", "-k", "test_model_matches_single_device and titan_llama_gqa-2"]
 MODEL_LAYOUTS = ["tests/test_sharded_models.py", "-k", "test_layouts_and_plans and (zigzag-burst or striped-kv_ring)"]
 MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_cannot_split_is_padded_when_exact"]
