@@ -380,6 +380,12 @@ def document_ids_for_batch(ids: torch.Tensor, batch: int) -> torch.Tensor:
     return ids.to(torch.int64).expand(batch, ids.shape[-1]).contiguous()
 
 
+def document_ids(source: torch.Tensor, batch: int, ids: bool) -> torch.Tensor:
+    """The int64 document ids of a :class:`Documents` term's input: given as they are (``ids=True``, then
+    ``[B, S]``) or derived from restarting position ids (``ids=False``)."""
+    return document_ids_for_batch(source, batch) if ids else document_ids_from_positions(source)
+
+
 def has_fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = None,
                           key_valid_BS: torch.Tensor | None = None) -> bool:
     """Does some query row of this call see no key at all?  Only :class:`KeyPadding` can hide every key of a

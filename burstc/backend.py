@@ -150,23 +150,23 @@ class BurstBackend:
 
     def _compile_fallback(self, record, args, guarded):
         """The graph without the all-ones assumption (so unsharded), compiled on the first call whose
-        guarded inputs are not all ones; it gets its own graph record in the report."""
+        guarded inputs are not all ones."""
         placeholders = [n for n in record.graphs["captured"].graph.nodes if n.op == "placeholder"]
         names = ", ".join(f"`{placeholders[i].name}`" for i in guarded)
         note_padded_fallback(self.report, record.graph_id, names)
-        fallback_record = self.report.new_graph()
-        fallback_record.graphs["captured"] = record.graphs["captured"]
-        gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), args, fallback_record,
-                                    self._without_specialization())
-        return self._finish(gm, args, fallback_record, context)
+        return self._compile_again(record, args, self._without_specialization())
 
     def _compile_unsharded(self, record, args):
         """The graph with no shard pass (replicated, the model's attention as written), compiled on the first
-        call a sharded graph can't compute exactly (see ``hidden_rows_guarded``); its own graph record."""
+        call a sharded graph can't compute exactly (see ``hidden_rows_guarded``)."""
         note_hidden_rows_fallback(self.report, record.graph_id)
+        return self._compile_again(record, args, dataclasses.replace(
+            self.config, disable_passes=self.config.disable_passes + ("shard",)))
+
+    def _compile_again(self, record, args, config):
+        """``record``'s captured graph through the passes under ``config`` and lowered; its own graph record."""
         fallback_record = self.report.new_graph()
         fallback_record.graphs["captured"] = record.graphs["captured"]
-        config = dataclasses.replace(self.config, disable_passes=self.config.disable_passes + ("shard",))
         gm, context = self._rewrite(snapshot_graph(record.graphs["captured"]), args, fallback_record, config)
         return self._finish(gm, args, fallback_record, context)
 

@@ -30,49 +30,45 @@ GUARD_CODES = register_codes("pipeline", {
 })
 
 
-def all_ones_guarded(compiled: Callable, positions: tuple[int, ...], compile_fallback: Callable) -> Callable:
-    """``compiled`` when the inputs at ``positions`` are all ones, else ``compile_fallback(args)`` (compiled
-    on the first call that needs it, then reused).  One ``.all()`` per guarded input per call."""
+def _guarded(compiled: Callable, holds: Callable, compile_fallback: Callable) -> Callable:
+    """``compiled`` for the calls whose arguments satisfy ``holds(args)``, else ``compile_fallback(args)``
+    (compiled on the first call that needs it, then reused)."""
     fallback: list[Callable] = []
 
     # Dynamo calls a backend's result with the graph inputs unpacked (*args)
     def run(*args):
-        if all(bool(args[i].all()) for i in positions):
+        if holds(args):
             return compiled(*args)
         if not fallback:
             fallback.append(compile_fallback(args))
         return fallback[0](*args)
 
     return run
+
+
+def all_ones_guarded(compiled: Callable, positions: tuple[int, ...], compile_fallback: Callable) -> Callable:
+    """``compiled`` when the inputs at ``positions`` are all ones, else ``compile_fallback(args)`` (compiled
+    on the first call that needs it, then reused).  One ``.all()`` per guarded input per call."""
+    return _guarded(compiled, lambda args: all(bool(args[i].all()) for i in positions), compile_fallback)
 
 
 def hidden_rows_guarded(compiled: Callable, checks: tuple, compile_fallback: Callable) -> Callable:
     """``compiled`` unless this call's inputs give some query row no visible key under one of ``checks``'
     masks (``(mask, {runtime source: input position})``, from ``ShardingFact.hidden_row_checks``); then
-    ``compile_fallback(args)`` (compiled on the first such call, then reused).  Every rank holds the same
-    inputs (``check_inputs``), so every rank takes the same branch.  O(B * S) per check and call."""
-    fallback: list[Callable] = []
-
-    def run(*args):
-        if not any(_hides_a_row(mask, sources, args) for mask, sources in checks):
-            return compiled(*args)
-        if not fallback:
-            fallback.append(compile_fallback(args))
-        return fallback[0](*args)
-
-    return run
+    ``compile_fallback(args)``.  Every rank holds the same inputs (``check_inputs``), so every rank takes the
+    same branch.  O(B * S) per check and call."""
+    return _guarded(compiled, lambda args: not any(_hides_a_row(mask, sources, args) for mask, sources in checks),
+                    compile_fallback)
 
 
 def _hides_a_row(mask, sources: dict, args) -> bool:
-    from burstc.attention_ir import Documents, KeyPadding, document_ids_for_batch, document_ids_from_positions, \
-        has_fully_hidden_rows
+    from burstc.attention_ir import Documents, KeyPadding, document_ids, has_fully_hidden_rows
 
     documents, padding = mask.term(Documents), mask.term(KeyPadding)
     key_valid = args[sources[padding.source]].ne(0)
     doc_ids = None
     if documents is not None:
-        raw = args[sources[documents.source]]
-        doc_ids = document_ids_for_batch(raw, key_valid.shape[0]) if documents.ids else document_ids_from_positions(raw)
+        doc_ids = document_ids(args[sources[documents.source]], key_valid.shape[0], documents.ids)
     return has_fully_hidden_rows(mask, doc_ids_BS=doc_ids, key_valid_BS=key_valid)
 
 

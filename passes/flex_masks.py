@@ -118,12 +118,10 @@ def classify_score_mod(gm: fx.GraphModule, call: FlexCall) -> tuple[tuple, Refus
         return None, refuse
     q = val(call.query)
     batch, heads, seq = q.shape[0], q.shape[1], q.shape[2]
-    lengths = [seq]
-    if batch * heads * seq * seq > graph_utils.FULL_EVALUATION_LIMIT:
-        try:
-            lengths = list(probe_lengths(numeric_constants(call.score_mod, call.score_mod.graph.nodes), seq))
-        except TooLarge:
-            return None, refuse
+    try:
+        lengths = _evaluation_lengths(call.score_mod, batch, heads, seq)
+    except TooLarge:
+        return None, refuse
     found = []
     for length in lengths:
         try:
@@ -160,6 +158,14 @@ def _score_mods_at(score_mod, values, batch, heads, seq) -> tuple | None:
         if not bool(torch.allclose(o, want, rtol=1e-5, atol=1e-5 * cap)):
             return None
     return (SoftCap(cap),)
+
+
+def _evaluation_lengths(module: fx.GraphModule, batch: int, heads: int, seq: int) -> list[int]:
+    """The lengths to evaluate a ``mask_mod`` / ``score_mod`` at: the sequence's when ``[B, H, S, S]`` fits the
+    compile-time limit, else two shorter probe lengths (``TooLarge`` when there are none)."""
+    if batch * heads * seq * seq <= graph_utils.FULL_EVALUATION_LIMIT:
+        return [seq]
+    return list(probe_lengths(numeric_constants(module, module.graph.nodes), seq))
 
 
 def _indices(batch, heads, seq):
@@ -212,15 +218,13 @@ def classify_flex_mask(gm: fx.GraphModule, call: FlexCall) -> tuple[MaskSpec | N
         values = [evaluate_constant(gm, b) if isinstance(b, fx.Node) else b for b in constants]
     except NotConstant as why:
         return None, Refusal(CODES.flex_mask, f"a mask_mod buffer can't be evaluated ({why})")
-    lengths = [seq]
-    if batch * heads * seq * seq > graph_utils.FULL_EVALUATION_LIMIT:
-        if any(isinstance(x, torch.Tensor) and seq in x.shape for x in values):
-            return None, Refusal(CODES.flex_mask, "the mask_mod reads a constant tensor as long as the sequence, "
-                                                  "too large to evaluate at compile time")
-        try:
-            lengths = list(probe_lengths(numeric_constants(call.mask_mod, call.mask_mod.graph.nodes), seq))
-        except TooLarge as why:
-            return None, Refusal(CODES.flex_mask, str(why))
+    try:
+        lengths = _evaluation_lengths(call.mask_mod, batch, heads, seq)
+    except TooLarge as why:
+        return None, Refusal(CODES.flex_mask, str(why))
+    if lengths != [seq] and any(isinstance(x, torch.Tensor) and seq in x.shape for x in values):
+        return None, Refusal(CODES.flex_mask, "the mask_mod reads a constant tensor as long as the sequence, "
+                                              "too large to evaluate at compile time")
     specs = []
     for length in lengths:
         try:

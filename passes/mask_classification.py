@@ -26,7 +26,7 @@ import math
 import torch
 
 from burstc.attention_ir import Alibi, Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, \
-    document_ids_from_positions
+    document_ids
 from burstc.passes import graph_utils
 from burstc.passes.graph_utils import (LengthScaling, NotConstant, TooLarge, ancestors, evaluate_constant,
                                        evaluation_order, in_place_writes, input_dependency, numeric_constants,
@@ -392,7 +392,7 @@ def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) 
         got = evaluate(doc, pad)
         if got is None or got.dim() < 3 or got.shape[-2:] != (seq, seq):
             return None
-        docs = None if doc is None else document_ids_from_positions(doc) if documents[1] == "positions" else doc
+        docs = None if doc is None else document_ids(doc, batch, ids=documents[1] == "ids")
         valid = pad.ne(0) if pad is not None else None
         want = spec.visible(arange, arange, q_docs=docs, kv_docs=docs,
                             kv_valid=valid)

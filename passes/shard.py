@@ -34,8 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids_for_batch, \
-    document_ids_from_positions
+from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
@@ -355,10 +354,6 @@ def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, batch: int, padded_len: 
         return cache[kind, source]
 
     documents, padding = mask.term(Documents), mask.term(KeyPadding)
-    doc_ids = None
-    if documents is not None and documents.ids:
-        doc_ids = value("doc_ids", documents.source, document_ids_for_batch, (batch,))
-    elif documents is not None:
-        doc_ids = value("doc_ids", documents.source, document_ids_from_positions, ())
+    doc_ids = value("doc_ids", documents.source, document_ids, (batch, documents.ids)) if documents else None
     key_valid = value("key_valid", padding.source, torch.ne, (0,)) if padding else None
     return doc_ids, key_valid
