@@ -73,11 +73,14 @@ def _hides_a_row(mask, sources: dict, args) -> bool:
 
 
 def note_hidden_rows_fallback(report: Report, graph_id: int) -> None:
-    """Report (and warn) that calls with a fully hidden query row run the unsharded graph."""
-    message = ("a call has a query row whose every key is hidden (left padding?) under an attention mask the model "
-               "fills with a float (eager averages such a row over all keys, or gives NaN; the ring op gives 0): "
-               f"such calls run graph {len(report.graph_records)}, compiled unsharded (replicated), exact")
-    report.skipped.append(SkipRecord("shard", "graph", "", message, graph_id, "backend", PIPELINE.hidden_rows_fallback))
+    """Report (and warn) that calls of graph ``graph_id`` with a fully hidden query row run the unsharded graph
+    compiled next; the reason is recorded on that graph, so that its summary line says why it is replicated."""
+    fallback_id = len(report.graph_records)
+    message = (f"the calls of graph {graph_id} with a query row whose every key is hidden (left padding?) under an "
+               "attention mask the model fills with a float (eager averages such a row over all keys, or gives NaN; "
+               f"the ring op gives 0) run graph {fallback_id}, compiled unsharded (replicated), exact")
+    report.skipped.append(SkipRecord("shard", "graph", "", message, fallback_id, "backend",
+                                     PIPELINE.hidden_rows_fallback))
     log_event("rewrites", "graph %d: %s", graph_id, message)
     warnings.warn(f"burstc: {message}", stacklevel=3)
 

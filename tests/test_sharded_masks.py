@@ -122,5 +122,9 @@ def test_eager_key_padding_with_fully_hidden_rows(workers, loss_fn, falls_back):
                                 zoo.hf_arch_batch_inputs, loss_fn, world_size=2, group=workers.get(2),
                                 backend="aot_eager", expect_sharded=True, timeout=300)
     assert ("pipeline.hidden_rows_fallback" in results[0]["skip_codes"]) == falls_back, results[0]["skipped"]
+    if falls_back:  # the unsharded graph's summary line says why it is replicated
+        summary = next(line for line in results[0]["report"].splitlines() if line.startswith("graph 1:"))
+        assert "replicated on 2 ranks" in summary and "the calls of graph 0 with a query row whose every key is " \
+            "hidden" in summary, results[0]["report"]
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert masks == {"causal&key_padding"}, results[0]["attention_masks"]
