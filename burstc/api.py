@@ -1,6 +1,8 @@
 """``burstc.compile`` and ``burstc.report``."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from burstc.backend import BurstBackend
@@ -11,27 +13,65 @@ from burstc.report import Report
 _REPORT_ATTR = "_burstc_report"
 
 
-def _world_size_of(mesh) -> int:
+@dataclasses.dataclass(frozen=True)
+class SequenceMesh:
+    """The part of the user's mesh that shards the sequence: ``flat`` (a 1-D DeviceMesh over the sequence dims,
+    node-major: shards, gathers, checks and broadcasts run over it) and the ring's process-group names
+    (``(flat,)`` for a flat ring, ``(inter, intra)`` for a double ring)."""
+
+    flat: object
+    ring_groups: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return self.flat.size()
+
+
+def sequence_mesh(mesh, config: BurstConfig) -> SequenceMesh | None:
+    """``mesh`` (None, or a DeviceMesh of any dims) -> its :class:`SequenceMesh` (None: one device)."""
     if mesh is None:
-        return 1
+        return None
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.size() == 1:
-        return 1
+        return None
     if not dist.is_initialized():
         raise MeshError(f"burstc.compile: the process group of {describe_mesh(mesh)} is not initialized; call "
                         "dist.init_process_group (torchrun does it for you) before building the mesh")
     if mesh.size() > dist.get_world_size():
         raise MeshError(f"burstc.compile: {describe_mesh(mesh)} is larger than the world of "
                         f"{dist.get_world_size()} ranks; build it over at most the world's ranks")
-    if mesh.ndim != 1:
-        raise NotImplementedError(f"burstc.compile: a {mesh.ndim}-D mesh (double ring) is not supported yet; "
-                                  "pass a 1-D mesh")
     check_rank_in_mesh(mesh)
-    return mesh.size()
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = config.seq_dims
+    if dims is None:
+        dims = names or tuple(range(mesh.ndim))
+    else:
+        unknown = [d for d in dims if d not in names]
+        if unknown:
+            raise ValueError(f"burstc.compile: seq_dims {list(dims)} name dims {unknown} that {describe_mesh(mesh)} "
+                             f"does not have; its dims are {list(names) or 'unnamed'} (name them with "
+                             "init_device_mesh(..., mesh_dim_names=...))")
+    if len(dims) < mesh.ndim and not names:
+        raise ValueError("burstc.compile: name the mesh's dims to choose seq_dims")
+    sub = mesh if len(dims) == mesh.ndim else mesh[dims]
+    if sub.ndim == 1:
+        flat = sub
+    else:
+        flat = sub._flatten()
+    shape = tuple(sub.shape)
+    double = len(shape) == 2 and min(shape) >= 2
+    if config.ring == "double" and not double:
+        raise ValueError(f"burstc.compile: ring='double' needs two sequence dims of at least 2 ranks each (nodes x "
+                         f"ranks per node), got sequence dims of sizes {list(shape)}; use ring='flat' or 'auto'")
+    if double and config.ring != "flat":
+        groups = (sub.get_group(0).group_name, sub.get_group(1).group_name)
+    else:
+        groups = (flat.get_group().group_name,)
+    return SequenceMesh(flat, groups) if flat.size() > 1 else None
 
 
 @torch.no_grad()
@@ -66,15 +106,19 @@ def compile(model, mesh=None, **options):
     ``ValueError`` that names it.  Returns what ``torch.compile`` returns (an ``OptimizedModule`` for a module); call it like the original.
     """
     config = BurstConfig.from_options(options)
-    world_size = _world_size_of(mesh)
+    seq = sequence_mesh(mesh, config)
+    world_size = seq.size if seq is not None else 1
+    mesh = seq.flat if seq is not None else None
     if world_size > 1:
         from burstc.ops.ring_comm import set_wait_timeout
 
-        set_wait_timeout(mesh.get_group().group_name, config.timeout)
+        for name in {mesh.get_group().group_name, *seq.ring_groups}:
+            set_wait_timeout(name, config.timeout)
     if world_size > 1 and config.sync_module_states and isinstance(model, torch.nn.Module):
         broadcast_module_states(model, mesh)
     report = Report(config, world_size=world_size)
-    backend = BurstBackend(config, report, mesh=mesh, world_size=world_size)
+    backend = BurstBackend(config, report, mesh=mesh, world_size=world_size,
+                           ring_groups=seq.ring_groups if seq is not None else ())
     # torch._dynamo.optimize is what torch.compile calls; torch.compile would wrap the backend in an object
     # that hides its backend_ctx_ctor, the context Dynamo enters around tracing (see BurstBackend)
     compiled = torch._dynamo.optimize(backend, nopython=config.fullgraph, dynamic=config.dynamic)(model)

@@ -86,10 +86,12 @@ class BurstBackend:
     cache (the expensive codegen) still applies.
     """
 
-    def __init__(self, config: BurstConfig, report: Report, mesh=None, world_size: int = 1):
+    def __init__(self, config: BurstConfig, report: Report, mesh=None, world_size: int = 1,
+                 ring_groups: tuple[str, ...] = ()):
         self.config = config
         self.report = report
-        self.mesh = mesh
+        self.mesh = mesh  # 1-D: the sequence dims, flattened (burstc.api.SequenceMesh)
+        self.ring_groups = ring_groups
         self.world_size = world_size
         # Dynamo enters this around every call of the compiled model (so around its tracing); an instance
         # attribute, as Dynamo's backend wrapper copies __dict__ and not class attributes
@@ -137,7 +139,8 @@ class BurstBackend:
             self.report.forget_graph(record.graph_id)
             record.graphs = {"captured": record.graphs["captured"]}
         context = PassContext(report=self.report, graph_id=record.graph_id, world_size=self.world_size,
-                              mesh=self.mesh, example_inputs=list(example_inputs), facts=GraphFacts())
+                              mesh=self.mesh, ring_groups=self.ring_groups, example_inputs=list(example_inputs),
+                              facts=GraphFacts())
         gm = run_stage("dynamo", gm, config=config, context=context, graphs=record.graphs)
         record.graphs["rewritten"] = snapshot_graph(gm)
         dump_graph("rewritten", record.graph_id, gm)

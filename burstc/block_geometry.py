@@ -210,6 +210,17 @@ def _runs_of(flags: torch.Tensor) -> Runs:
     return tuple(zip(edges[0::2], edges[1::2]))
 
 
+def union_runs(all_runs) -> Runs:
+    """The rows in any of ``all_runs`` (each sorted, disjoint runs), as sorted disjoint runs."""
+    merged: list[list[int]] = []
+    for start, stop in sorted(run for runs in all_runs for run in runs):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return tuple((start, stop) for start, stop in merged)
+
+
 @functools.lru_cache(maxsize=16384)
 def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
                     ) -> tuple[Runs, Runs]:
@@ -283,3 +294,49 @@ def pairs_hidden_by_data(layout: str, mask: MaskSpec, local_len: int, world_size
     return frozenset(pair for pair in candidates
                      if blocks(layout, static, *pair, local_len, world_size)
                      and data_hides_pair(layout, mask, *pair, local_len, world_size, doc_ids_BS, key_valid_BS))
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPosition:
+    """Rank ``rank`` of a nodes x ranks-per-node mesh in node-major sequence order (the double ring's geometry)."""
+
+    nodes: int
+    per_node: int
+    rank: int
+
+    def seq_rank(self, node_offset: int, local_offset: int) -> int:
+        """The sequence rank of (this node + ``node_offset``, this local index + ``local_offset``)."""
+        node, local = divmod(self.rank, self.per_node)
+        return ((node + node_offset) % self.nodes) * self.per_node + (local + local_offset) % self.per_node
+
+
+class DoubleRingRoutes:
+    """Which rows of a travelling side move where on a double ring (:mod:`burstc.ops.double_ring`), for the
+    rank at ``ring`` (a :class:`GridPosition` or the op's ring: ``rank``, ``per_node``, ``seq_rank``);
+    ``rows_between(receiver=, sender=)`` is :func:`travelling_rows` of the call.  Pure functions, so both
+    sides of every transfer, and the planner, agree."""
+
+    def __init__(self, ring, rows_between):
+        self.ring, self.rows_between = ring, rows_between
+
+    def node_needs(self, node_offset: int, sender: int):
+        """Rows of ``sender``'s travelling side that some rank of node (this + ``node_offset``) needs."""
+        ring = self.ring
+        return union_runs(self.rows_between(receiver=ring.seq_rank(node_offset, local), sender=sender)
+                          for local in range(ring.per_node))
+
+    def lane_out(self, lane: int):
+        """Own rows sent over the inter-node link for outer step ``lane`` (to node + ``lane``)."""
+        return self.node_needs(lane, self.ring.rank)
+
+    def lane_in(self, lane: int):
+        """Rows of lane block ``lane`` (rank (node - ``lane``, local)) this node needs."""
+        return self.node_needs(0, self.ring.seq_rank(-lane, 0))
+
+    def intra_out(self, lane: int, inner: int):
+        """Rows of this rank's lane block ``lane`` that node-mate local + ``inner`` needs."""
+        return self.rows_between(receiver=self.ring.seq_rank(0, inner), sender=self.ring.seq_rank(-lane, 0))
+
+    def intra_in(self, lane: int, inner: int):
+        """Rows of (node - ``lane``, local - ``inner``)'s travelling side this rank needs."""
+        return self.rows_between(receiver=self.ring.rank, sender=self.ring.seq_rank(-lane, -inner))

@@ -10,6 +10,7 @@ from burstc.layout import LAYOUTS
 BACKENDS = ("inductor", "aot_eager")
 ATTENTION_PLANS = ("auto", "kv_ring", "burst")
 CHECKPOINT_MODES = ("none", "layers", "selective")
+RING_KINDS = ("auto", "flat", "double")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +34,17 @@ class BurstConfig:
 
     layout: str = "zigzag"
     """Sequence layout over the mesh: ``contiguous``, ``zigzag`` or ``striped``."""
+
+    seq_dims: tuple[str, ...] | None = None
+    """Names of the mesh dims that shard the sequence (``None``: every dim).  With two, the first spans nodes
+    and the second the ranks of a node (a ``("inter", "intra")`` mesh), and the tokens follow the
+    flattened, node-major order.  Other dims (data parallel, ``("dp", "cp")`` with ``seq_dims=("cp",)``)
+    are the user's: burstc works inside each of their groups, as on ``mesh["cp"]``."""
+
+    ring: str = "auto"
+    """Ring over the sequence dims: ``"flat"`` (one ring over the flattened dims), ``"double"`` (two sequence
+    dims of at least 2 ranks each: intra-node steps with each inter-node transfer hidden behind them,
+    :mod:`burstc.ops.double_ring`), or ``"auto"`` (double where it applies, else flat)."""
 
     attention_plan: str = "auto"
     """Ring-attention backward plan: ``auto`` (planner's cheaper one), ``kv_ring`` or ``burst``."""
@@ -86,6 +98,13 @@ class BurstConfig:
         _check_choice("layout", self.layout, LAYOUTS)
         _check_choice("attention_plan", self.attention_plan, ATTENTION_PLANS)
         _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
+        _check_choice("ring", self.ring, RING_KINDS)
+        if self.seq_dims is not None:
+            dims = (self.seq_dims,) if isinstance(self.seq_dims, str) else self.seq_dims
+            if (not isinstance(dims, (tuple, list)) or not dims or not all(isinstance(d, str) for d in dims)
+                    or len(set(dims)) != len(dims)):
+                raise ValueError(f"option 'seq_dims' must be None or distinct mesh dim names, got {self.seq_dims!r}")
+            object.__setattr__(self, "seq_dims", tuple(dims))
         if isinstance(self.disable_passes, str):
             object.__setattr__(self, "disable_passes", (self.disable_passes,))
         object.__setattr__(self, "disable_passes", tuple(self.disable_passes))

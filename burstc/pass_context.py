@@ -31,6 +31,7 @@ class ShardingFact:
     # the placeholder positions of its runtime data; a call where one of its query rows sees no key runs the
     # unsharded graph (guards.hidden_rows_guarded)
     hidden_row_checks: tuple = ()
+    ring: str = "flat"              # "flat", or "double NxG" (nodes x ranks per node)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class PassContext:
     graph_id: int
     world_size: int = 1
     mesh: Any = None
+    ring_groups: tuple[str, ...] = ()
+    """The ring's process-group names: one (a flat ring over ``mesh``) or ``(inter, intra)`` (a double ring)."""
     example_inputs: list = field(default_factory=list)
     facts: GraphFacts = field(default_factory=GraphFacts)
     pass_name: str = ""

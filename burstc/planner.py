@@ -39,7 +39,7 @@ import functools
 import sympy
 import torch
 
-from burstc.block_geometry import blocks, runs_length, travelling_rows, visible_intervals
+from burstc.block_geometry import DoubleRingRoutes, GridPosition, blocks, runs_length, travelling_rows, visible_intervals
 from burstc.layout import local_positions
 
 B, S, P, Hq, Hkv, D, a = sympy.symbols("B S P Hq Hkv D a", positive=True, integer=True)
@@ -179,6 +179,7 @@ class Transfers:
 
     sent_per_step: tuple[tuple[int, ...], ...]      # [rank][step]
     received_per_step: tuple[tuple[int, ...], ...]
+    sent_by_link: tuple[dict[str, int], ...] = ()   # [rank] -> bytes sent per link class ("intra", "inter")
 
     @property
     def sent(self) -> tuple[int, ...]:
@@ -234,6 +235,57 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
                     sent[rank][step] += rows(op, rank, rank - step + 1) * per_row[op]["back"]
                     received[rank][step] += rows(op, rank + step - 1, rank) * per_row[op]["back"]
         found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)))
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int,
+                                    heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype | int,
+                                    hidden_pairs: frozenset = frozenset()) -> dict[str, Transfers]:
+    """:func:`predicted_transfers` for the double ring on a ``nodes x per_node`` mesh
+    (:mod:`burstc.ops.double_ring`), with the bytes per link class.  In the op's order: at the first
+    step of outer step j a rank posts the next lane block (inter), at every step the next inner step's
+    rows (intra); in the backward, each step returns the last step's intra-node gradients, the second
+    step of outer step j >= 2 lane j - 1's inter-node ones, and two extra steps the last ones."""
+    size = nodes * per_node
+    values = _values(batch, seq_len, size, heads_q, heads_kv, head_dim, dtype)
+    per_row = _row_bytes(values)
+    local_len = seq_len // size
+    found = {}
+    for op in ("forward", "kv_ring", "burst"):
+        steps = size + (0 if op == "forward" else 2)
+        sent, received = [[0] * steps for _ in range(size)], [[0] * steps for _ in range(size)]
+        by_link = [{"intra": 0, "inter": 0} for _ in range(size)]
+        for rank in range(size):
+            rows_between = functools.partial(travelling_rows, _QUERIES_TRAVEL[op], layout, mask, local_len=local_len,
+                                             world_size=size, hidden_pairs=hidden_pairs)
+            routes = DoubleRingRoutes(GridPosition(nodes, per_node, rank), rows_between)
+
+            def move(step, link, kind, out_runs, in_runs):
+                out_bytes, in_bytes = (runs_length(r) * per_row[op][kind] for r in (out_runs, in_runs))
+                sent[rank][step] += out_bytes
+                received[rank][step] += in_bytes
+                by_link[rank][link] += out_bytes
+
+            for j in range(nodes):
+                if j + 1 < nodes:
+                    move(j * per_node, "inter", "out", routes.lane_out(j + 1), routes.lane_in(j + 1))
+                for i in range(per_node):
+                    step = j * per_node + i
+                    if i + 1 < per_node:
+                        move(step, "intra", "out", routes.intra_out(j, i + 1), routes.intra_in(j, i + 1))
+                    if op == "forward":
+                        continue
+                    last_j, last_i = divmod(step - 1, per_node)
+                    if step >= 1 and last_i >= 1:  # the last step's partial gradients go to its lane holder
+                        move(step, "intra", "back", routes.intra_in(last_j, last_i), routes.intra_out(last_j, last_i))
+                    if i == 1 and j >= 2:
+                        move(step, "inter", "back", routes.lane_in(j - 1), routes.lane_out(j - 1))
+            if op != "forward":
+                move(size, "intra", "back", routes.intra_in(nodes - 1, per_node - 1),
+                     routes.intra_out(nodes - 1, per_node - 1))
+                move(size + 1, "inter", "back", routes.lane_in(nodes - 1), routes.lane_out(nodes - 1))
+        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)), tuple(by_link))
     return found
 
 

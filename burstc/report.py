@@ -143,7 +143,8 @@ class Report:
         if record.sharding is not None:
             fact = record.sharding
             plans = _counted(fact.plans)
-            return (f"graph {graph_id}: sharded over {fact.world_size} ranks ({fact.layout} layout"
+            ring = f", {fact.ring} ring" if fact.ring != "flat" else ""
+            return (f"graph {graph_id}: sharded over {fact.world_size} ranks ({fact.layout} layout{ring}"
                     + (f"; attention plans: {plans}" if plans else "") + ")")
         fused = sum(1 for r in self.rewrites if r.graph_id == graph_id and r.kind == "lm_head_loss")
         fused_note = f" (fused LM-head loss x{fused})" if fused else ""

@@ -54,6 +54,20 @@ def _group_name(context) -> str:
     return mesh.get_group().group_name
 
 
+def _ring_shape(ring_groups: list[str]) -> tuple[int, int] | None:
+    """``(nodes, ranks per node)`` of a double ring (two group names), else None."""
+    if len(ring_groups) != 2:
+        return None
+    from burstc.ops.ring_comm import resolve_group
+
+    return tuple(resolve_group(name).size() for name in ring_groups)
+
+
+def _ring_name(context) -> str:
+    shape = _ring_shape(list(context.ring_groups))
+    return "flat" if shape is None else f"double {shape[0]}x{shape[1]}"
+
+
 def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> tuple[list[str], tuple[str, ...]]:
     """Rewrite ``gm`` by ``plan`` -> (names of the outputs gathered, the backward plan of each ring attention)."""
     graph = gm.graph
@@ -77,7 +91,11 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
 
-    from burstc.planner import masked_plan, predicted_work
+    from burstc.planner import (cheaper_backward, masked_plan, over_bound, predicted_double_ring_transfers,
+                                predicted_work)
+
+    ring_groups = list(context.ring_groups) or [group_name]
+    ring_shape = _ring_shape(ring_groups)
 
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     fake_mode = fake_mode_of(gm)
@@ -94,16 +112,33 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         balance = predicted_work(layout, mask.static_part, analyzer.padded_len, analyzer.P)
         choice = masked_plan(layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D,
                              val(q).dtype)
+        double = None
+        if ring_shape is not None:  # the double ring's own transfers choose its backward and fill the report
+            double = predicted_double_ring_transfers(layout, mask.static_part, analyzer.padded_len, *ring_shape, B,
+                                                     Hq, Hkv, D, val(q).dtype)
+            choice = masked_plan(layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D,
+                                 val(q).dtype, cheaper_backward(double))
         plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
         chosen = choice if plan_name == choice.plan else masked_plan(
             layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D, val(q).dtype, plan_name)
+        ring_details = {"ring": "flat"}
+        if double is not None:
+            ops = {"forward": "forward", "backward": plan_name}
+            ring_details = {
+                "ring": _ring_name(context),
+                "predicted_bytes": {kind: max(double[op].sent) for kind, op in ops.items()},
+                "bytes_over_bound": {kind: round(over_bound(double[op].received, chosen.bound_per_rank[op]), 4)
+                                     for kind, op in ops.items()},
+                "predicted_bytes_by_link": {kind: {link: max(links[link] for links in double[op].sent_by_link)
+                                                   for link in ("inter", "intra")} for kind, op in ops.items()},
+            }
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
             doc_ids, key_valid = _runtime_mask_data(graph, mask, B, analyzer.padded_len, fake_mode, runtime_data)
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
-                                       (q, k, v, [group_name], layout, mask.encode(), float(scale), plan_name,
+                                       (q, k, v, ring_groups, layout, mask.encode(), float(scale), plan_name,
                                         doc_ids, key_valid))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
@@ -120,6 +155,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
             "bytes_over_bound": {k: round(x, 4) for k, x in chosen.over_bound.items()},
             "planner_choice": choice.plan,
             "work_max_over_mean": round(balance.max_over_mean, 4),
+            **ring_details,
         }, module=module_path(node))
 
     for node in plan.losses:
@@ -293,7 +329,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
-                                          hidden_row_checks=hidden_row_checks)
+                                          hidden_row_checks=hidden_row_checks, ring=_ring_name(context))
     return gm
 
 

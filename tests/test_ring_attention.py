@@ -536,16 +536,19 @@ def test_bad_inputs_raise_clear_errors(make_inputs, kwargs, error, match):
         ra.ring_attention(*make_inputs(), **kwargs)
 
 
-def _two_dim_mesh(rank, world_size):
+def _mesh_of_dims(rank, world_size, shape, ring):
     from torch.distributed.device_mesh import init_device_mesh
 
-    ra.ring_attention(*_qkv(), group_or_mesh=init_device_mesh("cpu", (1, world_size)))
+    ra.ring_attention(*_qkv(), group_or_mesh=init_device_mesh("cpu", shape), ring=ring)
 
 
 @pytest.mark.multirank
-def test_two_dimensional_mesh_is_rejected(workers):
-    with pytest.raises(WorkerError, match="1-D DeviceMesh"):
-        workers.get(2).run(_two_dim_mesh)
+def test_meshes_the_ring_cannot_run_on_are_rejected(workers):
+    """A 3-D mesh; a double ring on a mesh of one node (the double ring's tests: tests/test_double_ring.py)."""
+    with pytest.raises(WorkerError, match="1-D or 2-D DeviceMesh"):
+        workers.get(2).run(_mesh_of_dims, (1, 1, 2), "auto")
+    with pytest.raises(WorkerError, match="at least 2 x 2"):
+        workers.get(2).run(_mesh_of_dims, (1, 2), "double")
 
 
 def _run_under_autocast(rank, world_size, case: Case):

@@ -95,10 +95,10 @@ def test_ring_posts_receives_before_sends(monkeypatch):
     class Recorder:
         sent_bytes = received_bytes = 0
 
-        def sent(self, step, tensors):
+        def sent(self, step, tensors, link):
             self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
-        def received(self, step, tensors):
+        def received(self, step, tensors, link):
             self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     sends, recvs, recorder = [torch.zeros(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)], Recorder()
@@ -108,10 +108,10 @@ def test_ring_posts_receives_before_sends(monkeypatch):
     assert recorder.sent_bytes == recorder.received_bytes == 5 * 4
 
 
-def test_op_takes_one_sequence_parallel_group_for_now():
+def test_op_takes_one_or_two_process_groups():
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="one sequence-parallel process group, got 2"):
-        torch.ops.burstc.ring_attention_forward(q, q, q, ["a", "b"], "zigzag", "causal", 0.5, "kv_ring")
+    with pytest.raises(NotImplementedError, match=r"one process group \(a flat ring\) or two .* got 3"):
+        torch.ops.burstc.ring_attention_forward(q, q, q, ["a", "b", "c"], "zigzag", "causal", 0.5, "kv_ring")
 
 
 def test_public_api_mask_arguments():

@@ -11,12 +11,10 @@ balance simulator's work and bytes against the same counters.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import sympy
 import torch
-import torch.nn.functional as F
 
 from burstc import layout as layouts
 from burstc import planner
@@ -24,6 +22,7 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.block_geometry import CAUSAL, POSITIONS, blocks, pairs_hidden_by_data, runs_length, travelling_rows
 from burstc.ops import ring_attention as ra
 from burstc.testing import balance, tolerance
+from burstc.testing.ring_cases import ring_attention_case
 
 CAUSAL_SPEC = MaskSpec.causal()
 DOCS, PAD = Documents("doc_ids"), KeyPadding("attention_mask")
@@ -228,29 +227,11 @@ def _run_grid(rank, world_size, grid):
     for index, (layout, local_len, name, plan) in enumerate(grid):
         seq_len = local_len * world_size
         mask = _masks(local_len)[name]
-        generator = torch.Generator().manual_seed(2000 + index)
-        q, grad_out = (torch.randn(BATCH, HEADS_Q, seq_len, HEAD_DIM, generator=generator) for _ in range(2))
-        k, v = (torch.randn(BATCH, HEADS_KV, seq_len, HEAD_DIM, generator=generator) for _ in range(2))
         doc_ids, key_valid = _mask_data(seq_len, index)
         data = {"doc_ids": doc_ids if mask.term(Documents) else None,
                 "key_valid": key_valid if mask.term(KeyPadding) else None}
-        pos = torch.arange(seq_len)
-        visible = mask.visible(pos, pos, q_docs=doc_ids, kv_docs=doc_ids, kv_valid=key_valid)
-        visible = visible.expand(BATCH, seq_len, seq_len).unsqueeze(1)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out = F.scaled_dot_product_attention(*leaves, attn_mask=visible, scale=0.3, enable_gqa=True)
-        (ref_out * grad_out).sum().backward()
-        reference = {"out": ref_out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
-        shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
-        q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
-        with ra.record_stats() as stats:
-            out = ra.ring_attention(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=0.3, **data)
-            (out * shard(grad_out)).sum().backward()
-        errors = {}
-        for key, got in {"out": out, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}.items():
-            want = shard(reference[key])
-            diff = (got - want).abs().max().item()
-            errors[key] = (diff if math.isfinite(diff) else float("inf"), want.abs().max().item())
+        errors, stats = ring_attention_case(rank, world_size, mask, layout, plan, seq_len,
+                                            (BATCH, HEADS_Q, HEADS_KV, HEAD_DIM), data, 2000 + index)
         counters = {call.op: (call.plan, call.bytes_sent_per_step, call.bytes_received_per_step, call.work_per_step)
                     for call in stats.calls}
         results.append(((layout, local_len, name, plan), errors, counters))

@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from burstc.block_geometry import GridPosition
 from burstc.errors import wait_for_peer
 
 # group name -> seconds every ring wait on that group may take; absent: the process group's own timeout
@@ -30,9 +31,9 @@ def set_wait_timeout(group_name: str, seconds: float | None) -> None:
 
 
 class SendRecorder(Protocol):
-    def sent(self, step: int, tensors: Sequence[Tensor]) -> None: ...
+    def sent(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None: ...
 
-    def received(self, step: int, tensors: Sequence[Tensor]) -> None: ...
+    def received(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None: ...
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -46,9 +47,12 @@ class Ring:
     """This rank in a 1-D group: posts the transfers of one step to and from ranks at given offsets."""
 
     timeout_s: float | None = None  # bound on each wait (set_wait_timeout); None: the group's own timeout
+    extra_backward_hops = 1  # the backward's last gradients return in one hop after the last compute step
+    link = "ring"  # the link class its bytes are counted under: "ring" (flat), "intra" or "inter"
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup, link: str = "ring"):
         self.group = group
+        self.link = link
         self.size = group.size()
         self.rank = group.rank()
         self.timeout_s = _WAIT_TIMEOUT_S.get(group.group_name)
@@ -68,14 +72,35 @@ class Ring:
         ops = [dist.P2POp(dist.irecv, t, self.peer(offset), self.group) for offset, tensors in recvs for t in tensors]
         ops += [dist.P2POp(dist.isend, t, self.peer(offset), self.group) for offset, tensors in sends for t in tensors]
         for _, tensors in sends:
-            recorder.sent(step, tensors)
+            recorder.sent(step, tensors, self.link)
         for _, tensors in recvs:
-            recorder.received(step, tensors)
+            recorder.received(step, tensors, self.link)
         if not ops:
             return []
         peers = [("receive from", self.peer(offset)) for offset, tensors in recvs for _ in tensors]
         peers += [("send to", self.peer(offset)) for offset, tensors in sends for _ in tensors]
         return _Posted(dist.batch_isend_irecv(ops), peers, self.timeout_s)
+
+
+class TwoLevelRing:
+    """This rank in a nodes x ranks-per-node sequence-parallel mesh: an ``inter`` :class:`Ring` over the
+    ranks with this rank's local index on every node (its lane) and an ``intra`` one over this node's
+    ranks.  The sequence order is node-major: this rank is ``node * per_node + local`` of ``size``,
+    the order of the flattened mesh that shards the tokens (``DeviceMesh._flatten``)."""
+
+    extra_backward_hops = 2  # the last intra-node gradient return, then the last lane's inter-node one
+
+    def __init__(self, inter: dist.ProcessGroup, intra: dist.ProcessGroup):
+        self.inter, self.intra = Ring(inter, link="inter"), Ring(intra, link="intra")
+        self.nodes, self.per_node = self.inter.size, self.intra.size
+        self.node, self.local = self.inter.rank, self.intra.rank
+        self.size = self.nodes * self.per_node
+        self.rank = self.node * self.per_node + self.local
+        self.position = GridPosition(self.nodes, self.per_node, self.rank)
+
+    def seq_rank(self, node_offset: int, local_offset: int) -> int:
+        """The sequence rank of (this node + ``node_offset``, this local index + ``local_offset``)."""
+        return self.position.seq_rank(node_offset, local_offset)
 
 
 class _Posted(list):

@@ -51,7 +51,7 @@ from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_hides_pa
                                    travelling_rows)
 from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
-from burstc.ops.ring_comm import Ring, wait
+from burstc.ops.ring_comm import Ring, TwoLevelRing, wait
 from burstc.ops.ring_stats import CallRecorder
 
 _DQ, _DK, _DV = 0, 1, 2  # positions in a block's (dq, dk, dv)
@@ -100,10 +100,13 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
     return found
 
 
-def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: int, ring: Ring, data: MaskData):
+def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: int, ring: Ring, data: MaskData,
+                  any_pair: bool = False):
     """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
-    this rank that the runtime data hide move nothing."""
-    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(), rank=ring.rank)
+    this rank (``any_pair``: any pairs, for a rank that relays others' rows) that the runtime data hide
+    move nothing."""
+    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
+                                  rank=None if any_pair else ring.rank)
     return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
                              world_size=ring.size, hidden_pairs=hidden)
 
@@ -194,51 +197,75 @@ def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, ar
     return sends, [(-step, arriving)] if recv_runs else [], recv_runs, arriving
 
 
+class _Accumulator:
+    """A rank's running ``(out, lse)`` in fp32 over the blocks merged so far (None before the first)."""
+
+    def __init__(self, q_BHSD: Tensor, mask: MaskSpec):
+        self.out = self.lse = None
+        if mask.runtime_terms:  # rows may see nothing in a block, or anywhere: start empty
+            batch, heads_q, local_len, head_dim = q_BHSD.shape
+            self.out = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
+            self.lse = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
+
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.out.to(dtype).contiguous(), self.lse.contiguous()
+
+
+def attend_forward(q_BHSD: Tensor, kv_cur: list[Tensor] | None, kv_owner: int, acc: _Accumulator, ring, layout: str,
+                   mask: MaskSpec, scale: float, data: MaskData, recorder: CallRecorder, step: int) -> None:
+    """Compute step ``step`` of a forward: this rank's queries against ``kv_cur`` (rank ``kv_owner``'s K/V,
+    None when none of its rows travelled here), merged into ``acc``.  ``ring`` gives the sequence
+    geometry (``size`` and this rank's ``rank`` in the sequence order), whatever moved the data."""
+    batch, heads_q, local_len, _ = q_BHSD.shape
+    rank = ring.rank
+    for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
+        if kv_cur is None:
+            raise AssertionError(f"block {block} of pair ({rank}, {kv_owner}), but no key rows travelled")
+        q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
+        positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
+        if positions is None:
+            out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
+        else:
+            out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
+                                                    **data.kernel_args())
+        _record(recorder, step, block, positions, mask, data, batch, heads_q)
+        if mask.runtime_terms:
+            rows = block.q_rows
+            merge_attention_block_or_empty_(acc.out[:, :, rows], acc.lse[:, :, rows], out_blk, lse_blk)
+        elif acc.out is None:
+            # The first block (step 0, the own diagonal one) starts the accumulators: it must
+            # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
+            # static mask one block, and every row sees its diagonal).
+            if (block.q_start, block.q_stop) != (0, local_len):
+                raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
+            acc.out, acc.lse = out_blk.to(ACC_DTYPE), lse_blk
+        else:
+            merge_attention_block_(acc.out[:, :, block.q_rows], acc.lse[:, :, block.q_rows], out_blk, lse_blk)
+
+
 def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
                  scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
     """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring."""
-    batch, heads_q, local_len, head_dim = q_BHSD.shape
+    if isinstance(ring, TwoLevelRing):
+        from burstc.ops.double_ring import double_ring_forward
+
+        return double_ring_forward(q_BHSD, k_BHSD, v_BHSD, ring, layout, mask, scale, data)
+    local_len = q_BHSD.shape[2]
     size, rank = ring.size, ring.rank
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
     kv_home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
     rows_between = _rows_between(False, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(kv_home)
     kv_cur = kv_home
-    out_acc = lse_acc = None
-    if mask.runtime_terms:  # rows may see nothing in a block, or anywhere: start empty
-        out_acc = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
-        lse_acc = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
+    acc = _Accumulator(q_BHSD, mask)
     for step in range(size):
-        kv_owner = (rank - step) % size
         sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
         requests = ring.post_between(sends, recvs, recorder, step)
-        for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
-            if kv_cur is None:
-                raise AssertionError(f"block {block} of pair ({rank}, {kv_owner}), but no key rows travelled")
-            q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
-            positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
-            if positions is None:
-                out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
-            else:
-                out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
-                                                        **data.kernel_args())
-            _record(recorder, step, block, positions, mask, data, batch, heads_q)
-            if mask.runtime_terms:
-                rows = block.q_rows
-                merge_attention_block_or_empty_(out_acc[:, :, rows], lse_acc[:, :, rows], out_blk, lse_blk)
-            elif out_acc is None:
-                # The first block (step 0, the own diagonal one) starts the accumulators: it must
-                # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
-                # static mask one block, and every row sees its diagonal).
-                if (block.q_start, block.q_stop) != (0, local_len):
-                    raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
-                out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
-            else:
-                merge_attention_block_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
+        attend_forward(q_BHSD, kv_cur, (rank - step) % size, acc, ring, layout, mask, scale, data, recorder, step)
         wait(requests)
         kv_cur = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
     recorder.publish()
-    return out_acc.to(q_BHSD.dtype).contiguous(), lse_acc.contiguous()
+    return acc.result(q_BHSD.dtype)
 
 
 def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
@@ -258,9 +285,11 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
     else:  # the kernels read delta from the resident ``out``, unless an lse gradient adjusts it
         delta_BHS = attention_delta(out_BHSD, grad_out_BHSD) - grad_lse_BHS.to(ACC_DTYPE) if lse_has_grad else None
     # ``out`` is only right for the kernel where delta is not adjusted; else a stand-in carries delta.
-    grads = _backward_loop(BACKWARD_PLANS[plan], grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD,
-                           None if lse_has_grad else out_BHSD, lse_BHS, delta_BHS, ring, layout, mask, scale, recorder,
-                           data)
+    loop = _backward_loop
+    if isinstance(ring, TwoLevelRing):
+        from burstc.ops.double_ring import double_ring_backward_loop as loop
+    grads = loop(BACKWARD_PLANS[plan], grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, None if lse_has_grad else out_BHSD,
+                 lse_BHS, delta_BHS, ring, layout, mask, scale, recorder, data)
     recorder.publish()
     return tuple(g.contiguous() for g in grads)
 
@@ -273,6 +302,47 @@ def _add_rows_(acc: Tensor, rows: slice, part: Tensor) -> None:
     acc[:, :, rows] += part.to(acc.dtype)
 
 
+def attend_backward(plan: BackwardPlan, travelling: list[Tensor] | None, home: list[Tensor], q_owner: int,
+                    kv_owner: int, out: Tensor | None, grads: tuple[Tensor, Tensor, Tensor],
+                    partial: list[Tensor] | None, ring, layout: str, mask: MaskSpec, scale: float, data: MaskData,
+                    recorder: CallRecorder, step: int) -> None:
+    """Compute step ``step`` of a backward: the blocks of pair (``q_owner``, ``kv_owner``), one of them this
+    rank.  ``travelling``: the visitor's side (None when none of its rows travelled here), ``home`` this
+    rank's other side; the home side's gradients add into ``grads``, the travelling side's into ``partial``
+    (``plan.travelling_grads`` order).  ``out``: this rank's own output, read only for its own queries."""
+    batch, heads_q, local_len, _ = grads[_DQ].shape  # q's shape
+    own_out = out if q_owner == ring.rank else None
+    for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
+        if travelling is None:
+            raise AssertionError(f"block {block} of pair ({q_owner}, {kv_owner}), but no rows travelled")
+        (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
+            (travelling, home) if plan.queries_travel else (home, travelling))
+        rows, cols = block.q_rows, block.kv_rows
+        inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+                  lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
+                  None if own_out is None else own_out[:, :, rows])
+        positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, grads[_DQ].device)
+        if positions is None:
+            block_grads = block_attention_backward(*inputs, block.causal, scale)
+        else:
+            block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
+        _record(recorder, step, block, positions, mask, data, batch, heads_q)
+        for i in plan.home_grads:
+            _add_rows_(grads[i], _rows(i, block), block_grads[i])
+        for acc, i in zip(partial, plan.travelling_grads):
+            _add_rows_(acc, _rows(i, block), block_grads[i])
+
+
+def backward_sides(plan: BackwardPlan, grad_out, q, k, v, lse, delta):
+    """``(fp32 zero (dq, dk, dv), the travelling side, the side at home)`` of a backward loop."""
+    grads = (torch.zeros(q.shape, dtype=ACC_DTYPE, device=q.device),
+             torch.zeros(k.shape, dtype=ACC_DTYPE, device=k.device))
+    grads += (torch.zeros_like(grads[_DK]),)
+    if plan.queries_travel:
+        return grads, [q.contiguous(), grad_out, lse, delta], [k, v]
+    return grads, [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
+
+
 def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: Ring, layout: str,
                    mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData):
     """The one backward loop.  At step i the travelling side held here belongs to rank (rank - i).
@@ -282,14 +352,8 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     back to the visitor at the next step (the last visitor's in one extra hop), where they are added.
     """
     size, rank = ring.size, ring.rank
-    batch, heads_q, local_len, _ = q.shape
-    grads = (torch.zeros(q.shape, dtype=ACC_DTYPE, device=q.device),
-             torch.zeros(k.shape, dtype=ACC_DTYPE, device=k.device))
-    grads += (torch.zeros_like(grads[_DK]),)
-    if plan.queries_travel:
-        home_travelling, home = [q.contiguous(), grad_out, lse, delta], [k, v]
-    else:
-        home_travelling, home = [k.contiguous(), v.contiguous()], [q, grad_out, lse, delta]
+    local_len = q.shape[2]
+    grads, home_travelling, home = backward_sides(plan, grad_out, q, k, v, lse, delta)
     own_travelling_grads = [grads[i] for i in plan.travelling_grads]
     rows_between = _rows_between(plan.queries_travel, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(home_travelling)
@@ -307,26 +371,8 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
             partial = own_travelling_grads
         elif travelling is not None:  # what travelled here goes back, even where the data hide it all
             partial = [torch.zeros(g.shape, dtype=ACC_DTYPE, device=g.device) for g in own_travelling_grads]
-        own_out = out if q_owner == rank else None
-        for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
-            if travelling is None:
-                raise AssertionError(f"block {block} of pair ({q_owner}, {kv_owner}), but no rows travelled")
-            (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
-                (travelling, home) if plan.queries_travel else (home, travelling))
-            rows, cols = block.q_rows, block.kv_rows
-            inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
-                      lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
-                      None if own_out is None else own_out[:, :, rows])
-            positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, q.device)
-            if positions is None:
-                block_grads = block_attention_backward(*inputs, block.causal, scale)
-            else:
-                block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
-            _record(recorder, step, block, positions, mask, data, batch, heads_q)
-            for i in plan.home_grads:
-                _add_rows_(grads[i], _rows(i, block), block_grads[i])
-            for acc, i in zip(partial, plan.travelling_grads):
-                _add_rows_(acc, _rows(i, block), block_grads[i])
+        attend_backward(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask, scale,
+                        data, recorder, step)
         wait(requests)
         _add_returned_(returned, own_travelling_grads)
         previous = partial if step > 0 else None

@@ -26,7 +26,8 @@ class RingCallStats:
     ``bytes_sent_per_step[i]``: bytes of every tensor handed to ``isend`` while step ``i`` is
     computed (posted before it, waited for after it).  The forward has ``P`` entries (the last is
     0: nothing left to send); the backward has ``P + 1``: the extra last entry is the hop that
-    returns the travelling gradients (dK/dV or dQ) to their owners.  Empty when P = 1.
+    returns the travelling gradients (dK/dV or dQ) to their owners (``P + 2`` on a double ring: the last
+    intra-node return, then the last lane's inter-node one).  Empty when P = 1.
     ``bytes_received_per_step[i]``: the same for the buffers handed to ``irecv``.
     """
 
@@ -41,6 +42,8 @@ class RingCallStats:
     bytes_sent_per_step: list[int]
     work_per_step: list[int]
     bytes_received_per_step: list[int] = dataclasses.field(default_factory=list)
+    bytes_sent_by_link: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes sent per link class: ``"ring"`` (a flat ring), or ``"intra"`` / ``"inter"`` (a double ring)."""
 
     @property
     def causal(self) -> bool:
@@ -91,7 +94,7 @@ class CallRecorder:
         if not self.enabled:
             return
         batch, heads_q, local_len, head_dim = q.shape
-        steps = ring.size + (1 if op == "backward" else 0)
+        steps = ring.size + (ring.extra_backward_hops if op == "backward" else 0)
         self.stats = RingCallStats(
             op=op, plan=plan, rank=ring.rank, world_size=ring.size, layout=layout, mask=mask,
             shape=(batch, heads_q, k.shape[1], local_len, head_dim), dtype=str(q.dtype).removeprefix("torch."),
@@ -99,11 +102,13 @@ class CallRecorder:
             bytes_received_per_step=[0] * steps if ring.size > 1 else [],
         )
 
-    def sent(self, step: int, tensors: Sequence[Tensor]) -> None:
+    def sent(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None:
         if self.enabled:
-            self.stats.bytes_sent_per_step[step] += sum(t.numel() * t.element_size() for t in tensors)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.stats.bytes_sent_per_step[step] += nbytes
+            self.stats.bytes_sent_by_link[link] = self.stats.bytes_sent_by_link.get(link, 0) + nbytes
 
-    def received(self, step: int, tensors: Sequence[Tensor]) -> None:
+    def received(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None:
         if self.enabled:
             self.stats.bytes_received_per_step[step] += sum(t.numel() * t.element_size() for t in tensors)
 

@@ -160,8 +160,10 @@ def assert_same_training_step(model, run, compiled_run, dtype=torch.float32):
 
 
 def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: Callable, loss_fn: Callable,
-                     options: dict, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Run on every rank: eager reference on the full batch, then burstc on the mesh; compare."""
+                     options: dict, dtype: torch.dtype = torch.float32, mesh_shape: tuple[int, ...] | None = None,
+                     mesh_dim_names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Run on every rank: eager reference on the full batch, then burstc on the mesh (1-D over the world, or
+    ``mesh_shape`` with ``mesh_dim_names``); compare."""
     import burstc
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -174,7 +176,7 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
     ref_grads = parameter_grads(model)
     model.zero_grad(set_to_none=True)
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=mesh_dim_names)
     cmodel = burstc.compile(model, mesh, **options)
     loss = loss_fn(cmodel, inputs)
     loss.backward()
@@ -184,6 +186,7 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
         "rank": rank, "errors": training_step_errors(loss, ref_loss, grads, ref_grads, SHARDED_GRAD_FLOOR),
         "loss": float(loss), "ref_loss": float(ref_loss),
         "rewrites": [(r.kind, r.details.get("plan")) for r in report.rewrites],
+        "rings": [r.details.get("ring") for r in report.rewrites if r.kind == "attention"],
         "skipped": [(s.kind, s.reason) for s in report.skipped],
         "skip_codes": [s.code for s in report.skipped],
         "attention_masks": [r.details.get("mask") for r in report.rewrites if r.kind == "attention"],
@@ -195,7 +198,8 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
 def assert_equivalent(model_fn: Callable, inputs_fn: Callable, loss_fn: Callable, *, world_size: int,
                       group=None, dtype: torch.dtype = torch.float32, rtol: float | None = None,
                       tolerance_dtype: torch.dtype | None = None, expect_sharded: bool = True,
-                      timeout: float = 300.0, **options) -> list[dict]:
+                      timeout: float = 300.0, mesh_shape: tuple[int, ...] | None = None,
+                      mesh_dim_names: tuple[str, ...] | None = None, **options) -> list[dict]:
     """Check that ``burstc.compile(model_fn(), mesh, **options)`` on ``world_size`` gloo ranks gives
     every rank the single-device eager loss and parameter gradients.
 
@@ -205,12 +209,14 @@ def assert_equivalent(model_fn: Callable, inputs_fn: Callable, loss_fn: Callable
     to reuse (default: the process-wide one for ``world_size``).  Tolerances: the table's sharded
     loss / gradient entries for ``tolerance_dtype`` (default ``dtype``; bf16 for fp32 parameters
     under bf16 autocast), or ``rtol`` for both.  ``expect_sharded``: also require that the shard
-    pass rewrote the graph (no refusal).  Returns the per-rank results.
+    pass rewrote the graph (no refusal).  ``mesh_shape`` / ``mesh_dim_names``: a mesh of several dims
+    over the ``world_size`` ranks instead of the 1-D one.  Returns the per-rank results.
     """
     from burstc.testing.workers import get_worker_group
 
     group = group or get_worker_group(world_size)
-    results = group.run(equivalence_task, model_fn, inputs_fn, loss_fn, options, dtype, timeout=timeout)
+    results = group.run(equivalence_task, model_fn, inputs_fn, loss_fn, options, dtype, mesh_shape, mesh_dim_names,
+                        timeout=timeout)
     tolerance_dtype = tolerance_dtype or dtype
     loss_rtol = tolerance(tolerance_dtype, "sharded_loss").rtol if rtol is None else rtol
     grad_rtol = tolerance(tolerance_dtype, "sharded_param_grad").rtol if rtol is None else rtol

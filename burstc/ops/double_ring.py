@@ -1,0 +1,170 @@
+"""The double ring: ring attention on a nodes x ranks-per-node mesh (:class:`~burstc.ops.ring_comm.TwoLevelRing`).
+
+BurstEngine's topology-aware ring and LoongTrain's double ring: the slow inter-node links carry each
+block once per node, and those transfers travel behind a whole node's worth of compute steps.
+
+The P = N * G compute steps (N nodes, G ranks per node) run as N outer steps of G inner ones.  In outer
+step ``j`` this rank (node ``n``, local index ``g``) holds its *lane block*: the travelling side of rank
+``(n - j, g)``, which came straight from there over the inter-node link (its own at ``j = 0``).  Inner
+step ``i`` attends to the travelling side of ``(n - j, g - i)``, sent by that block's holder on this
+node, ``(n, g - i)``, over the intra-node link (the direct pattern of :mod:`burstc.ops.ring_loops`,
+inside the node).  The next lane block is posted at the start of an outer step and waited for at its
+end.  Per rank and call, the inter-node link carries N - 1 blocks (the direct pattern over the
+flattened mesh: G * (N - 1); a flat ring whose hop crosses nodes: P - 1, every one waited for).
+
+Mask-aware like the flat ring: a lane block carries the rows any rank of the receiving node needs
+(the union of :func:`~burstc.block_geometry.travelling_rows` over the node), an intra-node transfer the
+rows its receiver needs.
+
+Backward: the travelling side's gradients computed at inner step ``i >= 1`` go back to the lane holder
+at the next step (intra-node) and add into its lane's gradients; once a lane's are complete (after the
+first step of the next outer step), they go home over the inter-node link at the second step of that
+outer step.  The last lane's need two extra hops after the last compute step.  Bytes per step and per
+link class are :func:`burstc.planner.predicted_double_ring_transfers` (tested per rank and step).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from burstc.attention_ir import MaskSpec
+from burstc.block_geometry import DoubleRingRoutes
+from burstc.ops.lse_merge import ACC_DTYPE
+from burstc.ops.ring_comm import TwoLevelRing, wait
+from burstc.ops.ring_loops import (_DQ, _DK, _DV, BackwardPlan, MaskData, _Accumulator, _add_returned_, _Arrivals,
+                                   _gather_rows, _rows_between, _rows_buffer, attend_backward, attend_forward,
+                                   backward_sides)
+from burstc.ops.ring_stats import CallRecorder
+
+
+def _inputs(offset: int, out_runs, in_runs, source: list[Tensor] | None, arrivals: _Arrivals, slot: int):
+    """``(sends, recvs, in_runs, arriving buffers)`` of one input transfer: ``out_runs`` of ``source``
+    towards ``+offset``, ``in_runs`` from ``-offset`` into ``arrivals``' slot ``slot``."""
+    if out_runs and source is None:
+        raise AssertionError(f"rows {out_runs} must be sent, but none arrived here to send")
+    sends = [(offset, [_gather_rows(t, out_runs) for t in source])] if out_runs else []
+    arriving = arrivals.receive_buffers(slot, in_runs) if in_runs else None
+    return sends, [(-offset, arriving)] if in_runs else [], in_runs, arriving
+
+
+_NOTHING = ([], [], (), None)
+
+
+def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: TwoLevelRing, layout: str,
+                        mask: MaskSpec, scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
+    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the double ring."""
+    local_len = q_BHSD.shape[2]
+    nodes, per_node = ring.nodes, ring.per_node
+    recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
+    routes = DoubleRingRoutes(ring, _rows_between(False, layout, mask, local_len, ring, data, any_pair=True))
+    lanes, arrivals = _Arrivals(home), _Arrivals(home)
+    lane, acc = home, _Accumulator(q_BHSD, mask)
+    for j in range(nodes):
+        nxt = j + 1
+        sends, recvs, lane_runs, lane_arriving = (
+            _inputs(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home, lanes, nxt) if nxt < nodes else _NOTHING)
+        lane_requests = ring.inter.post_between(sends, recvs, recorder, j * per_node)
+        visiting = lane
+        for i in range(per_node):
+            step = j * per_node + i
+            sends, recvs, runs, arriving = (
+                _inputs(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
+                if i + 1 < per_node else _NOTHING)
+            requests = ring.intra.post_between(sends, recvs, recorder, step)
+            attend_forward(q_BHSD, visiting, ring.seq_rank(-j, -i), acc, ring, layout, mask, scale, data, recorder,
+                           step)
+            wait(requests)
+            visiting = arrivals.unpack(step + 1, runs, arriving) if arriving is not None else None
+        wait(lane_requests)
+        lane = lanes.unpack(nxt, lane_runs, lane_arriving) if lane_arriving is not None else None
+    recorder.publish()
+    return acc.result(q_BHSD.dtype)
+
+
+def _zeros(like: list[Tensor]) -> list[Tensor]:
+    return [torch.zeros(t.shape, dtype=ACC_DTYPE, device=t.device) for t in like]
+
+
+def _returns(offset: int, out_runs, partial: list[Tensor] | None, in_runs, like: list[Tensor]):
+    """``(sends, recvs, (in_runs, buffers))`` of one gradient return: ``out_runs`` of ``partial``
+    towards ``+offset`` (nothing when ``partial`` is None: no rows came), ``in_runs`` from ``-offset``."""
+    sends = [(offset, [_gather_rows(g, out_runs) for g in partial])] if partial is not None and out_runs else []
+    if not in_runs:
+        return sends, [], ((), None)
+    buffers = [_rows_buffer(g, in_runs, ACC_DTYPE) for g in like]
+    return sends, [(-offset, buffers)], (in_runs, buffers)
+
+
+def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: TwoLevelRing,
+                              layout: str, mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData):
+    """:func:`burstc.ops.ring_loops._backward_loop` on the double ring: ``(dq, dk, dv)`` in the inputs' dtypes."""
+    nodes, per_node, size = ring.nodes, ring.per_node, ring.size
+    local_len = q.shape[2]
+    grads, home_travelling, home = backward_sides(plan, grad_out, q, k, v, lse, delta)
+    own_grads = [grads[i] for i in plan.travelling_grads]
+    routes = DoubleRingRoutes(ring, _rows_between(plan.queries_travel, layout, mask, local_len, ring, data, any_pair=True))
+    lanes, arrivals = _Arrivals(home_travelling), _Arrivals(home_travelling)
+    lane = home_travelling
+    lane_grads = {0: own_grads}  # lane index -> its travelling side's gradients accumulated on this rank
+    previous = None  # (lane, inner step, partial gradients) of the last compute step
+
+    def intra_return(prev):
+        """The intra-node return of ``prev``'s partial to its lane holder (node-mate local - inner)."""
+        if prev is None or prev[1] == 0:
+            return [], [], ((), None)
+        lane_of, inner, partial = prev
+        return _returns(-inner, routes.intra_in(lane_of, inner), partial, routes.intra_out(lane_of, inner), own_grads)
+
+    def inter_return(lane_of: int):
+        """Lane ``lane_of``'s gradients home over the inter-node link; this rank's own rows' from node + ``lane_of``."""
+        return _returns(-lane_of, routes.lane_in(lane_of), lane_grads.pop(lane_of), routes.lane_out(lane_of),
+                        own_grads)
+
+    for j in range(nodes):
+        nxt = j + 1
+        lane_sends, lane_recvs, lane_runs, lane_arriving = (
+            _inputs(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home_travelling, lanes, nxt)
+            if nxt < nodes else _NOTHING)
+        inter_requests = [ring.inter.post_between(lane_sends, lane_recvs, recorder, j * per_node)]
+        inter_returned = ((), None)
+        travelling = lane
+        for i in range(per_node):
+            step = j * per_node + i
+            visitor = ring.seq_rank(-j, -i)
+            q_owner, kv_owner = (visitor, ring.rank) if plan.queries_travel else (ring.rank, visitor)
+            sends, recvs, runs, arriving = (
+                _inputs(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
+                if i + 1 < per_node else _NOTHING)
+            back_sends, back_recvs, returned = intra_return(previous)
+            requests = ring.intra.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
+            if i == 1 and j >= 2:  # lane j - 1's gradients are complete since the last step's wait
+                back_sends, back_recvs, inter_returned = inter_return(j - 1)
+                inter_requests.append(ring.inter.post_between(back_sends, back_recvs, recorder, step))
+            if i == 0:
+                if j > 0:
+                    lane_grads[j] = _zeros(own_grads) if lane is not None else None
+                partial = lane_grads[j]
+            else:
+                partial = _zeros(own_grads) if travelling is not None else None
+            attend_backward(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask,
+                            scale, data, recorder, step)
+            wait(requests)
+            if previous is not None and previous[1] > 0:
+                _add_returned_(returned, lane_grads[previous[0]])
+            previous = (j, i, partial)
+            travelling = arrivals.unpack(step + 1, runs, arriving) if arriving is not None else None
+        for posted in inter_requests:
+            wait(posted)
+        _add_returned_(inter_returned, own_grads)
+        lane = lanes.unpack(nxt, lane_runs, lane_arriving) if lane_arriving is not None else None
+    # the last intra-node return, then the last lanes' gradients home (lane N - 1, and lane N - 2 when its
+    # regular slot, the second step of outer step N - 1, did not exist: G = 1 is never a double ring)
+    back_sends, back_recvs, returned = intra_return(previous)
+    wait(ring.intra.post_between(back_sends, back_recvs, recorder, size))
+    _add_returned_(returned, lane_grads[previous[0]])
+    if nodes > 1:
+        back_sends, back_recvs, returned = inter_return(nodes - 1)
+        wait(ring.inter.post_between(back_sends, back_recvs, recorder, size + 1))
+        _add_returned_(returned, own_grads)
+    return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)

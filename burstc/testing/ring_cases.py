@@ -1,0 +1,44 @@
+"""One ring-attention case on a rank, against single-device SDPA: shared by the multi-rank ring tests."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from burstc import layout as layouts
+from burstc.attention_ir import MaskSpec
+
+
+def ring_attention_case(rank: int, world_size: int, mask: MaskSpec, layout: str, plan: str, seq_len: int,
+                        shape: tuple[int, int, int, int], data: dict, seed: int, scale: float = 0.3, **ring_kwargs):
+    """``(errors, stats)``: per output (``out``, ``dq``, ``dk``, ``dv``) the max |ring - reference| on this
+    rank's shard and the reference's max |value| (inf for a non-finite difference), and the
+    :class:`burstc.ops.ring_attention.RingStats` of the forward and backward.  ``shape``: (B, Hq, Hkv, D);
+    ``data``: the ``doc_ids`` / ``key_valid`` arguments (None where the mask lacks the term);
+    ``ring_kwargs``: more :func:`burstc.ops.ring_attention.ring_attention` arguments (``group_or_mesh``, ``ring``)."""
+    from burstc.ops import ring_attention as ra
+
+    batch, heads_q, heads_kv, head_dim = shape
+    generator = torch.Generator().manual_seed(seed)
+    q, grad_out = (torch.randn(batch, heads_q, seq_len, head_dim, generator=generator) for _ in range(2))
+    k, v = (torch.randn(batch, heads_kv, seq_len, head_dim, generator=generator) for _ in range(2))
+    pos = torch.arange(seq_len)
+    doc_ids, key_valid = data.get("doc_ids"), data.get("key_valid")
+    visible = mask.visible(pos, pos, q_docs=doc_ids, kv_docs=doc_ids, kv_valid=key_valid)
+    visible = visible.expand(batch, seq_len, seq_len).unsqueeze(1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*leaves, attn_mask=visible, scale=scale, enable_gqa=True)
+    (ref_out * grad_out).sum().backward()
+    reference = {"out": ref_out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    with ra.record_stats() as stats:
+        out = ra.ring_attention(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=scale, **data, **ring_kwargs)
+        (out * shard(grad_out)).sum().backward()
+    errors = {}
+    for key, got in {"out": out, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}.items():
+        want = shard(reference[key])
+        diff = (got - want).abs().max().item()
+        errors[key] = (diff if math.isfinite(diff) else float("inf"), want.abs().max().item())
+    return errors, stats
