@@ -46,6 +46,14 @@ class BurstConfig:
     dims of at least 2 ranks each: intra-node steps with each inter-node transfer hidden behind them,
     :mod:`burstc.ops.double_ring`), or ``"auto"`` (double where it applies, else flat)."""
 
+    link_bandwidth: dict | tuple | None = None
+    """Bytes per second of a link, ``{"intra": ..., "inter": ...}``, for the cost model that picks the ring under
+    ``ring="auto"`` (:mod:`burstc.cost_model`); missing classes keep the defaults: NVLink 450e9 and InfiniBand
+    50e9 on CUDA, the emulated cluster's calibration on CPU (101e6 and 11.3e6, with ``compute_flops`` 45e9)."""
+
+    compute_flops: float | None = None
+    """Attention FLOP/s of one device for the cost model (default 400e12 on CUDA, 45e9 on CPU)."""
+
     attention_plan: str = "auto"
     """Ring-attention backward plan: ``auto`` (planner's cheaper one), ``kv_ring`` or ``burst``."""
 
@@ -99,6 +107,18 @@ class BurstConfig:
         _check_choice("attention_plan", self.attention_plan, ATTENTION_PLANS)
         _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         _check_choice("ring", self.ring, RING_KINDS)
+        if self.link_bandwidth is not None:
+            bandwidth = self.link_bandwidth
+            if isinstance(bandwidth, tuple):  # dataclasses.replace of a validated config
+                bandwidth = dict(bandwidth)
+            if (not isinstance(bandwidth, dict) or set(bandwidth) - {"intra", "inter"}
+                    or not all(_positive_number(x) for x in bandwidth.values())):
+                raise ValueError("option 'link_bandwidth' must be a dict of positive bytes/s under 'intra' and/or "
+                                 f"'inter', got {bandwidth!r}")
+            # stored as sorted items: the config stays hashable
+            object.__setattr__(self, "link_bandwidth", tuple(sorted(bandwidth.items())))
+        if self.compute_flops is not None and not _positive_number(self.compute_flops):
+            raise ValueError(f"option 'compute_flops' must be a positive number, got {self.compute_flops!r}")
         if self.seq_dims is not None:
             dims = (self.seq_dims,) if isinstance(self.seq_dims, str) else self.seq_dims
             if (not isinstance(dims, (tuple, list)) or not dims or not all(isinstance(d, str) for d in dims)
@@ -141,6 +161,10 @@ class BurstConfig:
     def cache_key(self) -> str:
         """Everything the passes depend on, for the Inductor cache key."""
         return repr(dataclasses.astuple(self))
+
+
+def _positive_number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
 
 
 def _check_choice(name, value, choices):

@@ -179,7 +179,20 @@ class Transfers:
 
     sent_per_step: tuple[tuple[int, ...], ...]      # [rank][step]
     received_per_step: tuple[tuple[int, ...], ...]
-    sent_by_link: tuple[dict[str, int], ...] = ()   # [rank] -> bytes sent per link class ("intra", "inter")
+    sent_by_link_per_step: tuple[tuple[dict[str, int], ...], ...] = ()
+    """[rank][step] -> bytes sent per link class: ``"ring"`` (a flat ring, nodes not given), ``"intra"``, ``"inter"``."""
+
+    @property
+    def sent_by_link(self) -> tuple[dict[str, int], ...]:
+        """[rank] -> bytes sent per link class over the call."""
+        totals = []
+        for steps in self.sent_by_link_per_step:
+            total: dict[str, int] = {}
+            for links in steps:
+                for link, nbytes in links.items():
+                    total[link] = total.get(link, 0) + nbytes
+            totals.append(total)
+        return tuple(totals)
 
     @property
     def sent(self) -> tuple[int, ...]:
@@ -204,8 +217,8 @@ def _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype) -> t
 
 @functools.lru_cache(maxsize=256)
 def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int, heads_kv: int,
-                        head_dim: int, dtype: torch.dtype | int, hidden_pairs: frozenset = frozenset()
-                        ) -> dict[str, Transfers]:
+                        head_dim: int, dtype: torch.dtype | int, hidden_pairs: frozenset = frozenset(),
+                        per_node: int = 0) -> dict[str, Transfers]:
     """What the ring op sends and receives on every rank for ``mask`` (a
     :class:`burstc.attention_ir.MaskSpec`; its runtime terms are data, so their static part's rows
     travel, except in the pairs the data hide: ``hidden_pairs``, from
@@ -213,7 +226,9 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
     ``{"forward", "kv_ring", "burst"}``.  Counted from
     :func:`burstc.block_geometry.travelling_rows`, the function the op's loops call, in the op's order:
     at step t a rank posts its own rows for rank + t + 1 and, from t = 2 on, returns the gradients of the
-    rows it received at step t - 1 (the backward's extra last step returns those of step P - 1)."""
+    rows it received at step t - 1 (the backward's extra last step returns those of step P - 1).
+    ``per_node``: ranks per node of a node-major mesh the ring runs over (flattened), to class each send
+    as ``"intra"`` or ``"inter"`` by its peer; 0: one class, ``"ring"``."""
     values = _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
     per_row = _row_bytes(values)
     size, local_len = world_size, seq_len // world_size
@@ -222,19 +237,32 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
         return runs_length(travelling_rows(_QUERIES_TRAVEL[op], layout, mask, receiver % size, sender % size,
                                            local_len, size, hidden_pairs))
 
+    def link(rank, peer):
+        if not per_node:
+            return "ring"
+        return "intra" if rank // per_node == (peer % size) // per_node else "inter"
+
     found = {}
     for op in ("forward", "kv_ring", "burst"):
         steps = size + (0 if op == "forward" else 1) if size > 1 else 0
         sent, received = [[0] * steps for _ in range(size)], [[0] * steps for _ in range(size)]
+        by_link = [[{} for _ in range(steps)] for _ in range(size)]
         for rank in range(size):
+            def move(step, peer, out_bytes, in_bytes):
+                sent[rank][step] += out_bytes
+                received[rank][step] += in_bytes
+                links = by_link[rank][step]
+                links[link(rank, peer)] = links.get(link(rank, peer), 0) + out_bytes
+
             for step in range(steps):
                 if step + 1 < size:  # inputs of compute step step + 1
-                    sent[rank][step] += rows(op, rank + step + 1, rank) * per_row[op]["out"]
-                    received[rank][step] += rows(op, rank, rank - step - 1) * per_row[op]["out"]
+                    move(step, rank + step + 1, rows(op, rank + step + 1, rank) * per_row[op]["out"],
+                         rows(op, rank, rank - step - 1) * per_row[op]["out"])
                 if op != "forward" and step - 1 >= 1:  # gradients of compute step step - 1 go back
-                    sent[rank][step] += rows(op, rank, rank - step + 1) * per_row[op]["back"]
-                    received[rank][step] += rows(op, rank + step - 1, rank) * per_row[op]["back"]
-        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)))
+                    move(step, rank - step + 1, rows(op, rank, rank - step + 1) * per_row[op]["back"],
+                         rows(op, rank + step - 1, rank) * per_row[op]["back"])
+        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)),
+                              tuple(tuple(steps_) for steps_ in by_link))
     return found
 
 
@@ -255,7 +283,7 @@ def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int,
     for op in ("forward", "kv_ring", "burst"):
         steps = size + (0 if op == "forward" else 2)
         sent, received = [[0] * steps for _ in range(size)], [[0] * steps for _ in range(size)]
-        by_link = [{"intra": 0, "inter": 0} for _ in range(size)]
+        by_link = [[{"intra": 0, "inter": 0} for _ in range(steps)] for _ in range(size)]
         for rank in range(size):
             rows_between = functools.partial(travelling_rows, _QUERIES_TRAVEL[op], layout, mask, local_len=local_len,
                                              world_size=size, hidden_pairs=hidden_pairs)
@@ -265,7 +293,7 @@ def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int,
                 out_bytes, in_bytes = (runs_length(r) * per_row[op][kind] for r in (out_runs, in_runs))
                 sent[rank][step] += out_bytes
                 received[rank][step] += in_bytes
-                by_link[rank][link] += out_bytes
+                by_link[rank][step][link] += out_bytes
 
             for j in range(nodes):
                 if j + 1 < nodes:
@@ -285,7 +313,8 @@ def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int,
                 move(size, "intra", "back", routes.intra_in(nodes - 1, per_node - 1),
                      routes.intra_out(nodes - 1, per_node - 1))
                 move(size + 1, "inter", "back", routes.lane_in(nodes - 1), routes.lane_out(nodes - 1))
-        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)), tuple(by_link))
+        found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)),
+                              tuple(tuple(steps_) for steps_ in by_link))
     return found
 
 

@@ -54,7 +54,7 @@ def _group_name(context) -> str:
     return mesh.get_group().group_name
 
 
-def _ring_shape(ring_groups: list[str]) -> tuple[int, int] | None:
+def _ring_shape(ring_groups) -> tuple[int, int] | None:
     """``(nodes, ranks per node)`` of a double ring (two group names), else None."""
     if len(ring_groups) != 2:
         return None
@@ -63,13 +63,57 @@ def _ring_shape(ring_groups: list[str]) -> tuple[int, int] | None:
     return tuple(resolve_group(name).size() for name in ring_groups)
 
 
-def _ring_name(context) -> str:
-    shape = _ring_shape(list(context.ring_groups))
+def _ring_name(ring_groups) -> str:
+    shape = _ring_shape(ring_groups)
     return "flat" if shape is None else f"double {shape[0]}x{shape[1]}"
 
 
-def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> tuple[list[str], tuple[str, ...]]:
-    """Rewrite ``gm`` by ``plan`` -> (names of the outputs gathered, the backward plan of each ring attention)."""
+def _ring_and_plan(config, context, group_name: str, layout: str, mask, seq_len: int, B: int, Hq: int, Hkv: int,
+                   D: int, q_val):
+    """``(ring group names, backward plan, the planner's MaskedPlan, the chosen plan's, report details)`` of one
+    attention: the flat ring over ``group_name``, or the double ring over ``context.ring_groups`` (``ring=``, or
+    for ``"auto"`` the cost model's faster one); the backward plan is the one that sends fewer bytes on it."""
+    from burstc.cost_model import choose_ring, machine_from_options
+    from burstc.planner import cheaper_backward, masked_plan, over_bound, predicted_double_ring_transfers
+
+    P, dtype = context.world_size, q_val.dtype
+    shape = _ring_shape(context.ring_groups)
+    double = None if shape is None else predicted_double_ring_transfers(layout, mask, seq_len, *shape, B, Hq, Hkv,
+                                                                        D, dtype)
+    flat_plan = masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype).plan
+    plan_of = {"flat": flat_plan, "double": cheaper_backward(double) if double else flat_plan}
+    if config.attention_plan != "auto":
+        plan_of = {ring: config.attention_plan for ring in plan_of}
+    ring, costs = "flat", None
+    if double is not None:
+        machine = machine_from_options(q_val.device.type, config.link_bandwidth, config.compute_flops)
+        best, costs = choose_ring(layout, mask, seq_len, *shape, B, Hq, Hkv, D, dtype, plan_of.get, machine)
+        ring = best if config.ring == "auto" else config.ring
+    choice = masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype,
+                         (cheaper_backward(double) if ring == "double" else flat_plan))
+    plan_name = plan_of[ring]
+    chosen = choice if plan_name == choice.plan else masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype,
+                                                                 plan_name)
+    groups = list(context.ring_groups) if ring == "double" else [group_name]
+    details = {"ring": _ring_name(groups)}
+    if costs is not None:
+        details["predicted_seconds"] = {name: round(cost.total, 6) for name, cost in costs.items()}
+    if ring == "double":
+        ops = {"forward": "forward", "backward": plan_name}
+        details.update({
+            "predicted_bytes": {kind: max(double[op].sent) for kind, op in ops.items()},
+            "bytes_over_bound": {kind: round(over_bound(double[op].received, chosen.bound_per_rank[op]), 4)
+                                 for kind, op in ops.items()},
+            "predicted_bytes_by_link": {kind: {link: max(links[link] for links in double[op].sent_by_link)
+                                               for link in ("inter", "intra")} for kind, op in ops.items()},
+        })
+    return groups, plan_name, choice, chosen, details
+
+
+def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
+           ) -> tuple[list[str], tuple[str, ...], tuple[str, ...]]:
+    """Rewrite ``gm`` by ``plan`` -> (names of the outputs gathered, the backward plan and the ring of each ring
+    attention)."""
     graph = gm.graph
     layout = config.layout
     shard_cache = {}
@@ -91,15 +135,11 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         node.args = fx.node.map_arg(node.args, lambda a: mapping.get(a, a))
         node.kwargs = fx.node.map_arg(node.kwargs, lambda a: mapping.get(a, a))
 
-    from burstc.planner import (cheaper_backward, masked_plan, over_bound, predicted_double_ring_transfers,
-                                predicted_work)
-
-    ring_groups = list(context.ring_groups) or [group_name]
-    ring_shape = _ring_shape(ring_groups)
+    from burstc.planner import predicted_work
 
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     fake_mode = fake_mode_of(gm)
-    plans = []
+    plans, rings = [], []
     for node in plan.attention:
         match = context.facts.attention.get(node)
         call = attention_call(node, match)
@@ -110,28 +150,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         mask = _mask_of(node, match)
         # runtime terms hide more: the static part's work bounds it, and its rows are what travel
         balance = predicted_work(layout, mask.static_part, analyzer.padded_len, analyzer.P)
-        choice = masked_plan(layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D,
-                             val(q).dtype)
-        double = None
-        if ring_shape is not None:  # the double ring's own transfers choose its backward and fill the report
-            double = predicted_double_ring_transfers(layout, mask.static_part, analyzer.padded_len, *ring_shape, B,
-                                                     Hq, Hkv, D, val(q).dtype)
-            choice = masked_plan(layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D,
-                                 val(q).dtype, cheaper_backward(double))
-        plan_name = choice.plan if config.attention_plan == "auto" else config.attention_plan
-        chosen = choice if plan_name == choice.plan else masked_plan(
-            layout, mask.static_part, analyzer.padded_len, analyzer.P, B, Hq, Hkv, D, val(q).dtype, plan_name)
-        ring_details = {"ring": "flat"}
-        if double is not None:
-            ops = {"forward": "forward", "backward": plan_name}
-            ring_details = {
-                "ring": _ring_name(context),
-                "predicted_bytes": {kind: max(double[op].sent) for kind, op in ops.items()},
-                "bytes_over_bound": {kind: round(over_bound(double[op].received, chosen.bound_per_rank[op]), 4)
-                                     for kind, op in ops.items()},
-                "predicted_bytes_by_link": {kind: {link: max(links[link] for links in double[op].sent_by_link)
-                                                   for link in ("inter", "intra")} for kind, op in ops.items()},
-            }
+        ring_groups, plan_name, choice, chosen, ring_details = _ring_and_plan(
+            config, context, group_name, layout, mask.static_part, analyzer.padded_len, B, Hq, Hkv, D, val(q))
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
@@ -145,6 +165,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         plans.append(plan_name)
+        rings.append(ring_details["ring"])
         context.rewrite("attention", out, {
             "plan": plan_name, "layout": layout, "causal": mask.term(Causal) is not None, "world_size": analyzer.P,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
@@ -206,7 +227,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name) -> t
                 with graph.inserting_after(node):
                     synced = graph.call_function(grad_all_reduce, (node, group_name))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
-    return gathered, tuple(plans)
+    return gathered, tuple(plans), tuple(rings)
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
@@ -316,7 +337,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         return gm
     group_name = _group_name(context)
     hidden_row_checks = _hidden_row_checks(gm, plan, context)
-    gathered, plans = _apply(gm, plan, analyzer, config, context, group_name)
+    gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
     _refresh_meta(gm)
@@ -329,7 +350,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
-                                          hidden_row_checks=hidden_row_checks, ring=_ring_name(context))
+                                          hidden_row_checks=hidden_row_checks,
+                                          ring=" + ".join(sorted(set(rings))) or "flat")
     return gm
 
 

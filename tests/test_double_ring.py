@@ -232,3 +232,18 @@ def test_seq_dims_and_ring_options_are_validated():
             BurstConfig(seq_dims=bad)
     with pytest.raises(ValueError, match="ring"):
         BurstConfig(ring="triple")
+
+
+@pytest.mark.multirank
+def test_auto_picks_the_flat_ring_when_the_cost_model_says_so(workers):
+    """Links inside a node 1000x slower than between nodes (the double ring's intra steps would dominate):
+    the cost model picks the flat ring, and the report shows both predictions."""
+    from burstc.testing.oracle import errors_above
+
+    options = {"link_bandwidth": {"intra": 1e6, "inter": 1e9}}
+    results = workers.get(4).run(_compiled_on_2x2, options)
+    rtol = tolerance(torch.float32, "sharded_param_grad").rtol
+    for result in results:
+        assert not errors_above(result["errors"], rtol, rtol), result["report"]
+        assert set(result["rings"]) == {"flat"}, result["rings"]
+        assert "predicted_seconds" in result["report"]

@@ -1,0 +1,266 @@
+"""Ring attention on a nodes x ranks-per-node mesh: burstc's double ring vs its flat ring vs torch's ring.
+
+Meant to run under the emulated cluster, which rate-limits gloo traffic per rank pair with slower links
+between nodes than inside one (``../shared/tools/emulated-cluster``, its README has the calibration)::
+
+    EC=../shared/tools/emulated-cluster/emulated-cluster
+    $EC --nodes 2 --gpus-per-node 2 --intra 101 --inter 11.3 -- \
+        python benchmarks/topology.py --mesh 2x2 --seq-lens 16384 --intra-mbps 101 --inter-mbps 11.3
+    python benchmarks/topology.py --mesh 2x2 --seq-lens 16384      # no network limit: compute alone
+
+Causal attention forward + backward, zigzag layout, the same sharded inputs for every implementation:
+
+* ``burstc_double``: ``ring_attention(..., group_or_mesh=mesh_2d, ring="double")`` (:mod:`burstc.ops.double_ring`);
+* ``burstc_flat``: the same op over the flattened mesh (``ring="flat"``: every rank sends its block straight
+  to each other rank, so G (N - 1) blocks per rank cross nodes);
+* ``torch_ring``: PyTorch's ``_templated_ring_attention`` over the whole world, head-tail balanced
+  (as in ``benchmarks/ring_attention.py``).
+
+Columns: step time (best and median of interleaved rounds, slowest rank), bytes per rank per call split
+into intra- and inter-node (burstc: its counters per link class, the flat ring's split by the peer of
+each step; torch: its ring's hops, the ranks r -> r + 1 whose nodes differ), the communication-only bound
+``max(intra bytes / intra rate, inter bytes / inter rate)`` when the rates are given, and max abs error vs
+single-device fp32 SDPA.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from burstc import layout as layouts  # noqa: E402
+from burstc.attention_ir import MaskSpec  # noqa: E402
+from burstc.testing import WorkerGroup  # noqa: E402
+
+IMPLS = ("burstc_double", "burstc_flat", "torch_ring")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    nodes: int
+    per_node: int
+    seq_len: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str
+    iters: int
+    impls: tuple[str, ...]
+    reference: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+_MESHES = {}
+
+
+def _mesh(config: Config):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (config.nodes, config.per_node)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("inter", "intra"))
+    return _MESHES[key]
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _run_burstc(kind: str):
+    def run(q, k, v, grad_out, config):
+        from burstc.ops.ring_attention import record_stats, ring_attention
+
+        q_, k_, v_ = _leaves(q, k, v)
+        with record_stats() as stats:
+            out = ring_attention(q_, k_, v_, group_or_mesh=_mesh(config), causal=True, layout="zigzag", ring=kind)
+            out.backward(grad_out)
+        links = {}
+        for call in stats.calls:
+            for link, nbytes in call.bytes_sent_by_link.items():
+                links[link] = links.get(link, 0) + nbytes
+        if "ring" in links:  # the flat ring counts one class: split it by each step's peer
+            links = _flat_links(config, dist.get_rank(), stats)
+        return out, q_.grad, k_.grad, v_.grad, {"links": links, "plan": stats.of("backward")[0].plan}
+    return run
+
+
+def _flat_links(config: Config, rank: int, stats) -> dict[str, int]:
+    """The flat ring's bytes per link class, by the peer of each of its sends (the planner's split, checked
+    against the op's own per-step counters)."""
+    from burstc.planner import predicted_transfers
+
+    links = {"intra": 0, "inter": 0}
+    for call in stats.calls:
+        predicted = predicted_transfers("zigzag", MaskSpec.causal(), config.seq_len, config.world_size, 1,
+                                        config.heads_q, config.heads_kv, config.head_dim, DTYPES[config.dtype],
+                                        per_node=config.per_node)["forward" if call.op == "forward" else call.plan]
+        assert list(predicted.sent_per_step[rank]) == list(call.bytes_sent_per_step), call.op
+        for link, nbytes in predicted.sent_by_link[rank].items():
+            links[link] += nbytes
+    return links
+
+
+def _run_torch_ring(q, k, v, grad_out, config):
+    from ring_attention import run_torch_ring
+
+    out, dq, dk, dv, _ = run_torch_ring(q, k, v, grad_out, dist.group.WORLD)
+    return out, dq, dk, dv, {"links": _torch_ring_links(config, q), "plan": "torch"}
+
+
+def _torch_ring_links(config: Config, q) -> dict[str, int]:
+    """torch's ring, all-to-all rotation: each of P - 1 forward steps passes K, V to rank + 1; the backward
+    passes K, V again and the fp32 dK, dV P times (``convert_to_f32``)."""
+    rank, size = dist.get_rank(), config.world_size
+    local = config.seq_len // size
+    kv = 2 * local * config.heads_kv * config.head_dim * q.element_size()
+    dkv = 2 * local * config.heads_kv * config.head_dim * 4
+    link = "inter" if (rank // config.per_node) != ((rank + 1) % size) // config.per_node else "intra"
+    return {link: 2 * (size - 1) * kv + size * dkv}
+
+
+RUNNERS = {"burstc_double": _run_burstc("double"), "burstc_flat": _run_burstc("flat"), "torch_ring": _run_torch_ring}
+
+
+def _measured_flops(q, k, v) -> float:
+    """Attention FLOP/s of this rank while every rank computes (a shard against a shard, forward + backward,
+    at the cost model's 14 D FLOPs per score entry), the best of three."""
+    q_, k_, v_ = _leaves(q, k, v)
+    entries = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    best = math.inf
+    for _ in range(3):
+        dist.barrier()
+        started = time.perf_counter()
+        F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=True).sum().backward()
+        best = min(best, time.perf_counter() - started)
+    return 14 * q.shape[3] * entries / best
+
+
+def _bench_task(rank, world_size, config: Config):
+    dtype = DTYPES[config.dtype]
+    generator = torch.Generator().manual_seed(0)
+    q, grad_out = (torch.randn(1, config.heads_q, config.seq_len, config.head_dim, generator=generator).to(dtype)
+                   for _ in range(2))
+    k, v = (torch.randn(1, config.heads_kv, config.seq_len, config.head_dim, generator=generator).to(dtype)
+            for _ in range(2))
+    positions = layouts.local_positions(config.seq_len, world_size, rank, "zigzag")
+    shard = lambda t: t.index_select(2, positions).contiguous()  # noqa: E731
+    reference = None
+    if config.reference:
+        q32, k32, v32 = _leaves(*(t.float() for t in (q, k, v)))
+        out32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+        out32.backward(grad_out.float())
+        reference = [shard(t) for t in (out32.detach(), q32.grad, k32.grad, v32.grad)]
+        del q32, k32, v32, out32
+    local = [shard(t) for t in (q, k, v, grad_out)]
+    rows = {"_flops": _measured_flops(local[0], local[1], local[2])}
+    for impl in config.impls:
+        result = RUNNERS[impl](*local, config)  # warm-up, and the numbers for the error columns
+        rows[impl] = {"wall_s": [], **result[4]}
+        if reference is not None:
+            errors = [(got.float() - want).abs().max().item() for got, want in zip(result[:4], reference)]
+            rows[impl]["error"] = max(e if math.isfinite(e) else math.inf for e in errors)
+    for _ in range(config.iters):
+        for impl in config.impls:  # interleaved rounds: load on the shared machine hits all alike
+            dist.barrier()
+            started = time.perf_counter()
+            RUNNERS[impl](*local, config)
+            dist.barrier()
+            rows[impl]["wall_s"].append(time.perf_counter() - started)
+    return rows
+
+
+def _combine(per_rank: list[dict], impl: str, rates: tuple[float, float] | None, config: Config) -> dict:
+    rows = [r[impl] for r in per_rank]
+    walls = [max(r["wall_s"][i] for r in rows) for i in range(len(rows[0]["wall_s"]))]
+    intra = max(r["links"].get("intra", 0) for r in rows)
+    inter = max(r["links"].get("inter", 0) for r in rows)
+    combined = {"wall_s": min(walls), "wall_median_s": sorted(walls)[len(walls) // 2], "intra_bytes": intra,
+                "inter_bytes": inter, "plan": rows[0]["plan"], "error": max(r.get("error", 0.0) for r in rows)}
+    if rates is not None:
+        combined["comm_bound_s"] = max(intra / (rates[0] * 1e6), inter / (rates[1] * 1e6))
+    if impl.startswith("burstc_"):
+        from burstc.cost_model import Machine, predicted_ring_cost
+
+        flops = min(r["_flops"] for r in per_rank)
+        bandwidth = (("intra", rates[0] * 1e6), ("inter", rates[1] * 1e6)) if rates else (("intra", 1e15), ("inter", 1e15))
+        cost = predicted_ring_cost(impl.removeprefix("burstc_"), "zigzag", MaskSpec.causal(), config.seq_len,
+                                   config.nodes, config.per_node, 1, config.heads_q, config.heads_kv, config.head_dim,
+                                   DTYPES[config.dtype], combined["plan"], Machine(flops, bandwidth))
+        combined.update(predicted_s=cost.total, compute_s=cost.compute, gflops=flops / 1e9)
+    return combined
+
+
+def _table(config: Config, results: dict, rates) -> str:
+    head = (f"mesh {config.nodes}x{config.per_node} S={config.seq_len} Hq={config.heads_q} Hkv={config.heads_kv} "
+            f"D={config.head_dim} {config.dtype} causal zigzag | measured attention "
+            f"{results['burstc_double']['gflops'] if 'burstc_double' in results else 0:.1f} GFLOP/s per rank | links: "
+            + (f"intra {rates[0]} MB/s, inter {rates[1]} MB/s" if rates else "not limited")
+            + f" | load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    lines = [head, "| impl | plan | step s (best) | step s (median) | model: predicted s / compute-only s "
+                   "| intra MiB/rank | inter MiB/rank | comm-only bound s | max error | vs burstc_double |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ours = results.get("burstc_double")
+    for impl, row in results.items():
+        bound = f"{row['comm_bound_s']:.2f}" if "comm_bound_s" in row else "-"
+        ratio = f"{row['wall_s'] / ours['wall_s']:.2f}x" if ours else "-"
+        model = f"{row['predicted_s']:.2f} / {row['compute_s']:.2f}" if "predicted_s" in row else "-"
+        lines.append(f"| {impl} | {row['plan']} | {row['wall_s']:.2f} | {row['wall_median_s']:.2f} | {model} "
+                     f"| {row['intra_bytes'] / 2**20:.1f} | {row['inter_bytes'] / 2**20:.1f} | {bound} "
+                     f"| {row['error']:.1e} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mesh", default="2x2", help="nodes x ranks per node")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--attention", nargs="+", choices=["mha", "gqa"], default=["mha"])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32"])
+    parser.add_argument("--iters", type=int, default=2, help="timed rounds after one warm-up")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--intra-mbps", type=float, help="the emulated intra-node rate (for the comm-only bound)")
+    parser.add_argument("--inter-mbps", type=float, help="the emulated inter-node rate")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    nodes, per_node = (int(x) for x in args.mesh.lower().split("x"))
+    rates = (args.intra_mbps, args.inter_mbps) if args.intra_mbps and args.inter_mbps else None
+    all_rows = []
+    with WorkerGroup(nodes * per_node, run_timeout_s=6 * 3600) as workers:
+        for seq_len in args.seq_lens:
+            for attention in args.attention:
+                heads_kv = args.heads if attention == "mha" else max(1, args.heads // 4)
+                for dtype in args.dtypes:
+                    config = Config(nodes, per_node, seq_len, args.heads, heads_kv, args.head_dim, dtype,
+                                    args.iters, tuple(args.impls), reference=not args.no_reference)
+                    started = time.perf_counter()
+                    per_rank = workers.run(_bench_task, config)
+                    results = {impl: _combine(per_rank, impl, rates, config) for impl in config.impls}
+                    print(_table(config, results, rates), flush=True)
+                    print(f"(took {time.perf_counter() - started:.0f} s)\n", flush=True)
+                    all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates, "results": results})
+    if args.json:
+        args.json.write_text(json.dumps(all_rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""The cost model: how long one ring attention takes per rank, flat ring or double ring, and which to run.
+
+Per compute step, the work is the score entries of the step's pair (:func:`burstc.block_geometry.blocks`
+of the mask's static part, times B * Hq), at ``4 * D`` FLOPs an entry in the forward (QK^T and PV) and
+``10 * D`` in the backward (QK^T again, dP, dV, dQ, dK); the bytes are the planner's per step and link
+class (:func:`burstc.planner.predicted_transfers` / :func:`~burstc.planner.predicted_double_ring_transfers`).
+Overlap is modelled as the ops run it:
+
+* flat ring: the transfers posted at step s travel while step s computes: ``sum_s max(compute_s, comm_s)``,
+  ``comm_s`` the slowest link class of the step (bytes / bandwidth + latency per message);
+* double ring: the inter-node transfers posted in outer step j travel while its G inner steps run:
+  ``sum_j max(sum_i max(compute_ji, intra_ji), inter_j)``;
+* the backward's extra hops (gradients going home after the last step) are not hidden.
+
+A rank's time is its own sum; the call's is the slowest rank's.  The model knows nothing of kernel
+efficiency at small blocks, of CPU contention between ranks, or of the merge's cost; the benchmark
+``benchmarks/topology.py`` compares it with measured steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from burstc.block_geometry import GridPosition, blocks
+
+FLOPS_PER_ENTRY_PER_DIM = {"forward": 4, "backward": 10}
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """Throughput of one device and its links: attention FLOP/s, bytes/s and seconds of latency per message,
+    per link class (``"intra"``: inside a node, ``"inter"``: between nodes)."""
+
+    attention_flops: float
+    bandwidth: tuple[tuple[str, float], ...]
+    latency: tuple[tuple[str, float], ...] = (("intra", 0.0), ("inter", 0.0))
+
+    def seconds(self, link: str, nbytes: int) -> float:
+        if not nbytes:
+            return 0.0
+        link = "inter" if link == "ring" else link  # a flat ring whose nodes are unknown: the slower class
+        return nbytes / dict(self.bandwidth)[link] + dict(self.latency).get(link, 0.0)
+
+
+# An H100 cluster (NVLink 450 GB/s inside a node, 400 Gb/s InfiniBand = 50 GB/s between, ~400 TFLOP/s of
+# bf16 attention), and the same compute-to-bandwidth ratios on this CPU as the emulated cluster calibrates
+# them (../shared/tools/emulated-cluster: 4 ranks on 2 cores, fp32 standing in for bf16).
+H100_CLUSTER = Machine(attention_flops=400e12, bandwidth=(("intra", 450e9), ("inter", 50e9)))
+CPU_AS_H100_CLUSTER = Machine(attention_flops=45e9, bandwidth=(("intra", 101e6), ("inter", 11.3e6)))
+
+
+def default_machine(device_type: str) -> Machine:
+    return H100_CLUSTER if device_type == "cuda" else CPU_AS_H100_CLUSTER
+
+
+def machine_from_options(device_type: str, link_bandwidth: dict | None, compute_flops: float | None) -> Machine:
+    """The default machine for ``device_type`` with the user's ``link_bandwidth`` / ``compute_flops`` over it."""
+    machine = default_machine(device_type)
+    bandwidth = dict(machine.bandwidth)
+    bandwidth.update(dict(link_bandwidth or {}))
+    return dataclasses.replace(machine, attention_flops=compute_flops or machine.attention_flops,
+                               bandwidth=tuple(sorted(bandwidth.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class RingCost:
+    """Predicted seconds of one call on its slowest rank: ``forward``, ``backward``, and their ``compute`` alone."""
+
+    forward: float
+    backward: float
+    compute: float
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+@functools.lru_cache(maxsize=1024)
+def _step_entries(layout: str, mask, local_len: int, size: int, q_owner: int, kv_owner: int) -> int:
+    return sum(block.score_entries for block in blocks(layout, mask, q_owner, kv_owner, local_len, size))
+
+
+def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int,
+                        heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, plan: str,
+                        machine: Machine) -> RingCost:
+    """The cost of ``ring`` (``"flat"`` over the flattened ``nodes x per_node`` mesh, or ``"double"``) for one
+    attention call with backward ``plan``, under ``mask``'s static part."""
+    from burstc.planner import predicted_double_ring_transfers, predicted_transfers
+
+    mask = mask.static_part
+    size = nodes * per_node
+    local_len = seq_len // size
+    args = (layout, mask, seq_len)
+    shape = (batch, heads_q, heads_kv, head_dim, dtype)
+    if ring == "double":
+        transfers = predicted_double_ring_transfers(*args, nodes, per_node, *shape)
+    else:
+        transfers = predicted_transfers(*args, size, *shape, per_node=per_node)
+    worst = {"forward": 0.0, "backward": 0.0, "compute": 0.0}
+    for rank in range(size):
+        position = GridPosition(nodes, per_node, rank)
+        visitors = [position.seq_rank(-(s // per_node), -(s % per_node)) if ring == "double" else (rank - s) % size
+                    for s in range(size)]
+        compute_total = 0.0
+        for op, key in (("forward", "forward"), ("backward", plan)):
+            queries_travel = key == "burst"
+            flops = FLOPS_PER_ENTRY_PER_DIM[op] * head_dim * batch * heads_q
+            compute = [flops * _step_entries(layout, mask, local_len, size,
+                                             *((v, rank) if queries_travel else (rank, v))) / machine.attention_flops
+                       for v in visitors]
+            compute_total += sum(compute)
+            links = transfers[key].sent_by_link_per_step[rank] if size > 1 else ()
+            seconds = _double_ring_seconds if ring == "double" else _flat_ring_seconds
+            worst[op] = max(worst[op], seconds(compute, links, machine, per_node))
+        worst["compute"] = max(worst["compute"], compute_total)
+    return RingCost(**worst)
+
+
+def _slowest(links: dict[str, int], machine: Machine, classes=None) -> float:
+    return max((machine.seconds(link, nbytes) for link, nbytes in links.items()
+                if classes is None or link in classes), default=0.0)
+
+
+def _flat_ring_seconds(compute: list[float], links, machine: Machine, per_node: int) -> float:
+    total = sum(max(c, _slowest(links[s], machine) if s < len(links) else 0.0) for s, c in enumerate(compute))
+    return total + sum(_slowest(step, machine) for step in links[len(compute):])  # the backward's last hop
+
+
+def _double_ring_seconds(compute: list[float], links, machine: Machine, per_node: int) -> float:
+    total = 0.0
+    for j in range(len(compute) // per_node):
+        steps = range(j * per_node, (j + 1) * per_node)
+        inner = sum(max(compute[s], _slowest(links[s], machine, ("intra",)) if s < len(links) else 0.0)
+                    for s in steps)
+        inter = machine.seconds("inter", sum(links[s].get("inter", 0) for s in steps if s < len(links)))
+        total += max(inner, inter)
+    return total + sum(_slowest(step, machine) for step in links[len(compute):])
+
+
+def choose_ring(layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int, heads_q: int,
+                heads_kv: int, head_dim: int, dtype: torch.dtype, plan_of, machine: Machine) -> tuple[str, dict]:
+    """``(ring, {ring: RingCost})``: the ring with the lower predicted forward + backward (ties: double, which
+    sends fewer bytes between nodes).  ``plan_of(ring)``: the backward plan that ring would run."""
+    costs = {ring: predicted_ring_cost(ring, layout, mask, seq_len, nodes, per_node, batch, heads_q, heads_kv,
+                                       head_dim, dtype, plan_of(ring), machine) for ring in ("double", "flat")}
+    best = "double" if costs["double"].total <= costs["flat"].total else "flat"
+    return best, costs
