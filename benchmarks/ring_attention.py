@@ -329,20 +329,25 @@ def _inputs(config: Config):
     return q, k, v, grad_out
 
 
+def shard_with_reference(q, k, v, grad_out, rank: int, world_size: int, reference: bool):
+    """``(this rank's zigzag shards of q, k, v, grad_out; its shards of single-device fp32 causal SDPA's out,
+    dq, dk, dv, or None)``."""
+    positions = layouts.local_positions(q.shape[2], world_size, rank, "zigzag")
+    shard = lambda t: t.index_select(2, positions).contiguous()  # noqa: E731
+    shards = None
+    if reference:
+        q32, k32, v32 = _leaves(*(t.float() for t in (q, k, v)))
+        out32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+        out32.backward(grad_out.float())
+        shards = [shard(t) for t in (out32.detach(), q32.grad, k32.grad, v32.grad)]
+    return [shard(t) for t in (q, k, v, grad_out)], shards
+
+
 def _bench_task(rank, world_size, config: Config):
     torch.manual_seed(config.seed)
     group = dist.group.WORLD
     q, k, v, grad_out = _inputs(config)
-    positions = layouts.local_positions(config.seq_len, world_size, rank, "zigzag")
-    shard = lambda t: t.index_select(2, positions).contiguous()  # noqa: E731
-    reference = None
-    if config.reference:
-        q32, k32, v32 = _leaves(*(t.float() for t in (q, k, v)))
-        out32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
-        out32.backward(grad_out.float())
-        reference = [shard(t) for t in (out32.detach(), q32.grad, k32.grad, v32.grad)]
-        del q32, k32, v32, out32
-    local = [shard(t) for t in (q, k, v, grad_out)]
+    local, reference = shard_with_reference(q, k, v, grad_out, rank, world_size, config.reference)
     rows, runnable = {}, []
     for impl in config.impls:
         reason = _applicable(impl, config)

@@ -40,12 +40,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from burstc import layout as layouts  # noqa: E402
 from burstc.attention_ir import MaskSpec  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
+from ring_attention import DTYPES, _leaves, run_torch_ring, shard_with_reference  # noqa: E402  (benchmarks/ring_attention.py)
 
 IMPLS = ("burstc_double", "burstc_flat", "torch_ring")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +75,6 @@ def _mesh(config: Config):
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("inter", "intra"))
     return _MESHES[key]
-
-
-def _leaves(*tensors):
-    return [t.detach().clone().requires_grad_() for t in tensors]
 
 
 def _run_burstc(kind: str):
@@ -117,8 +112,6 @@ def _flat_links(config: Config, rank: int, stats) -> dict[str, int]:
 
 
 def _run_torch_ring(q, k, v, grad_out, config):
-    from ring_attention import run_torch_ring
-
     out, dq, dk, dv, _ = run_torch_ring(q, k, v, grad_out, dist.group.WORLD)
     return out, dq, dk, dv, {"links": _torch_ring_links(config, q), "plan": "torch"}
 
@@ -158,16 +151,7 @@ def _bench_task(rank, world_size, config: Config):
                    for _ in range(2))
     k, v = (torch.randn(1, config.heads_kv, config.seq_len, config.head_dim, generator=generator).to(dtype)
             for _ in range(2))
-    positions = layouts.local_positions(config.seq_len, world_size, rank, "zigzag")
-    shard = lambda t: t.index_select(2, positions).contiguous()  # noqa: E731
-    reference = None
-    if config.reference:
-        q32, k32, v32 = _leaves(*(t.float() for t in (q, k, v)))
-        out32 = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
-        out32.backward(grad_out.float())
-        reference = [shard(t) for t in (out32.detach(), q32.grad, k32.grad, v32.grad)]
-        del q32, k32, v32, out32
-    local = [shard(t) for t in (q, k, v, grad_out)]
+    local, reference = shard_with_reference(q, k, v, grad_out, rank, world_size, config.reference)
     rows = {"_flops": _measured_flops(local[0], local[1], local[2])}
     for impl in config.impls:
         result = RUNNERS[impl](*local, config)  # warm-up, and the numbers for the error columns
