@@ -64,8 +64,8 @@ def sequence_mesh(mesh, config: BurstConfig) -> SequenceMesh | None:
         flat = sub._flatten()
     shape = tuple(sub.shape)
     double = len(shape) == 2 and min(shape) >= 2
-    if config.ring == "double" and not double:
-        raise ValueError(f"burstc.compile: ring='double' needs two sequence dims of at least 2 ranks each (nodes x "
+    if config.ring in ("double", "ulysses") and not double:
+        raise ValueError(f"burstc.compile: ring={config.ring!r} needs two sequence dims of at least 2 ranks each (nodes x "
                          f"ranks per node), got sequence dims of sizes {list(shape)}; use ring='flat' or 'auto'")
     if double and config.ring != "flat":
         groups = (sub.get_group(0).group_name, sub.get_group(1).group_name)

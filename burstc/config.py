@@ -10,7 +10,7 @@ from burstc.layout import LAYOUTS
 BACKENDS = ("inductor", "aot_eager")
 ATTENTION_PLANS = ("auto", "kv_ring", "burst")
 CHECKPOINT_MODES = ("none", "layers", "selective")
-RING_KINDS = ("auto", "flat", "double")
+RING_KINDS = ("auto", "flat", "double", "ulysses")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +44,9 @@ class BurstConfig:
     ring: str = "auto"
     """Ring over the sequence dims: ``"flat"`` (one ring over the flattened dims), ``"double"`` (two sequence
     dims of at least 2 ranks each: intra-node steps with each inter-node transfer hidden behind them,
-    :mod:`burstc.ops.double_ring`), or ``"auto"`` (double where it applies, else flat)."""
+    :mod:`burstc.ops.double_ring`), ``"ulysses"`` (all-to-all inside the node, a ring across nodes:
+    :mod:`burstc.ops.ulysses`; where the heads divide, else the double ring), or ``"auto"`` (on two sequence dims,
+    per attention the fastest of the three by the cost model, :mod:`burstc.cost_model`; else flat)."""
 
     link_bandwidth: dict | tuple | None = None
     """Bytes per second of a link, ``{"intra": ..., "inter": ...}``, for the cost model that picks the ring under

@@ -1,4 +1,4 @@
-"""The cost model: how long one ring attention takes per rank, flat ring or double ring, and which to run.
+"""The cost model: how long one ring attention takes per rank — flat ring, double ring or the hybrid — and which to run.
 
 Per compute step, the work is the score entries of the step's pair (:func:`burstc.block_geometry.blocks`
 of the mask's static part, times B * Hq), at ``4 * D`` FLOPs an entry in the forward (QK^T and PV) and
@@ -10,6 +10,8 @@ Overlap is modelled as the ops run it:
   ``comm_s`` the slowest link class of the step (bytes / bandwidth + latency per message);
 * double ring: the inter-node transfers posted in outer step j travel while its G inner steps run:
   ``sum_j max(sum_i max(compute_ji, intra_ji), inter_j)``;
+* the hybrid (:mod:`burstc.ops.ulysses`): its all-to-alls inside the node (not hidden), then the flat ring
+  across the nodes on node shards of H/G heads;
 * the backward's extra hops (gradients going home after the last step) are not hidden.
 
 A rank's time is its own sum; the call's is the slowest rank's.  The model knows nothing of kernel
@@ -90,6 +92,13 @@ def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, 
     from burstc.planner import predicted_double_ring_transfers, predicted_transfers
 
     mask = mask.static_part
+    if ring == "ulysses":  # the all-to-alls inside the node, then a flat ring across nodes on node shards
+        across = predicted_ring_cost("flat", layout, mask, seq_len, nodes, 1, batch, heads_q // per_node,
+                                     heads_kv // per_node, head_dim, dtype, plan, machine)
+        forward_a2a, backward_a2a = ulysses_bytes(seq_len // (nodes * per_node), per_node, batch, heads_q, heads_kv,
+                                                  head_dim, dtype)
+        return RingCost(forward=across.forward + machine.seconds("intra", forward_a2a),
+                        backward=across.backward + machine.seconds("intra", backward_a2a), compute=across.compute)
     size = nodes * per_node
     local_len = seq_len // size
     args = (layout, mask, seq_len)
@@ -118,6 +127,20 @@ def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, 
     return RingCost(**worst)
 
 
+def ulysses_bytes(local_len: int, per_node: int, batch: int, heads_q: int, heads_kv: int, head_dim: int,
+                  dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes each rank sends in the hybrid's all-to-alls (``(G - 1) / G`` of each tensor leaves the rank):
+    forward q, k, v out and the output and fp32 LSE back; backward grad_out, q, k, v, out, LSE out and
+    dq, dk, dv back."""
+    element = torch.empty((), dtype=dtype).element_size()
+    token_q, token_kv = batch * heads_q * head_dim * element, batch * heads_kv * head_dim * element
+    lse = batch * heads_q * 4
+    share = local_len * (per_node - 1) // per_node
+    forward = share * (2 * token_q + 2 * token_kv + lse)
+    backward = share * (3 * token_q + 2 * token_kv + lse) + share * (token_q + 2 * token_kv)
+    return forward, backward
+
+
 def _slowest(links: dict[str, int], machine: Machine, classes=None) -> float:
     return max((machine.seconds(link, nbytes) for link, nbytes in links.items()
                 if classes is None or link in classes), default=0.0)
@@ -140,10 +163,11 @@ def _double_ring_seconds(compute: list[float], links, machine: Machine, per_node
 
 
 def choose_ring(layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int, heads_q: int,
-                heads_kv: int, head_dim: int, dtype: torch.dtype, plan_of, machine: Machine) -> tuple[str, dict]:
-    """``(ring, {ring: RingCost})``: the ring with the lower predicted forward + backward (ties: double, which
-    sends fewer bytes between nodes).  ``plan_of(ring)``: the backward plan that ring would run."""
+                heads_kv: int, head_dim: int, dtype: torch.dtype, plan_of, machine: Machine,
+                candidates=("double", "ulysses", "flat")) -> tuple[str, dict]:
+    """``(ring, {ring: RingCost})``: of ``candidates``, the ring with the lowest predicted forward + backward
+    (ties: the first listed).  ``plan_of(ring)``: the backward plan that ring would run."""
     costs = {ring: predicted_ring_cost(ring, layout, mask, seq_len, nodes, per_node, batch, heads_q, heads_kv,
-                                       head_dim, dtype, plan_of(ring), machine) for ring in ("double", "flat")}
-    best = "double" if costs["double"].total <= costs["flat"].total else "flat"
+                                       head_dim, dtype, plan_of(ring), machine) for ring in candidates}
+    best = min(candidates, key=lambda ring: costs[ring].total)
     return best, costs

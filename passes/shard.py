@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
+from burstc.ops.ring_comm import UlyssesRing
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
@@ -64,6 +65,10 @@ def _ring_shape(ring_groups) -> tuple[int, int] | None:
 
 
 def _ring_name(ring_groups) -> str:
+    if len(ring_groups) == 3:  # ["ulysses", intra, inter]
+        from burstc.ops.ring_comm import resolve_group
+
+        return f"ulysses_ring {resolve_group(ring_groups[2]).size()}x{resolve_group(ring_groups[1]).size()}"
     shape = _ring_shape(ring_groups)
     return "flat" if shape is None else f"double {shape[0]}x{shape[1]}"
 
@@ -71,42 +76,67 @@ def _ring_name(ring_groups) -> str:
 def _ring_and_plan(config, context, group_name: str, layout: str, mask, seq_len: int, B: int, Hq: int, Hkv: int,
                    D: int, q_val):
     """``(ring group names, backward plan, the planner's MaskedPlan, the chosen plan's, report details)`` of one
-    attention: the flat ring over ``group_name``, or the double ring over ``context.ring_groups`` (``ring=``, or
-    for ``"auto"`` the cost model's faster one); the backward plan is the one that sends fewer bytes on it."""
-    from burstc.cost_model import choose_ring, machine_from_options
-    from burstc.planner import cheaper_backward, masked_plan, over_bound, predicted_double_ring_transfers
+    attention: the flat ring over ``group_name``, or on a 2-D mesh (``context.ring_groups``: inter, intra) the
+    double ring or the hybrid (``ring=``, or for ``"auto"`` the cost model's fastest); the backward plan is the
+    one that sends fewer bytes on that ring."""
+    from burstc.cost_model import choose_ring, machine_from_options, ulysses_bytes
+    from burstc.ops.ulysses import hybrid_applies
+    from burstc.planner import (cheaper_backward, masked_plan, over_bound, predicted_double_ring_transfers,
+                                predicted_transfers)
 
     P, dtype = context.world_size, q_val.dtype
     shape = _ring_shape(context.ring_groups)
-    double = None if shape is None else predicted_double_ring_transfers(layout, mask, seq_len, *shape, B, Hq, Hkv,
-                                                                        D, dtype)
     flat_plan = masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype).plan
-    plan_of = {"flat": flat_plan, "double": cheaper_backward(double) if double else flat_plan}
+    plan_of, transfers, details = {"flat": flat_plan}, {}, {}
+    if shape is not None:
+        nodes, per_node = shape
+        transfers["double"] = predicted_double_ring_transfers(layout, mask, seq_len, nodes, per_node, B, Hq, Hkv, D,
+                                                              dtype)
+        plan_of["double"] = cheaper_backward(transfers["double"])
+        not_hybrid = hybrid_applies(layout, Hq, Hkv, per_node)
+        if not_hybrid is None:
+            transfers["ulysses"] = predicted_transfers(layout, mask, seq_len, nodes, B, Hq // per_node,
+                                                       Hkv // per_node, D, dtype)
+            plan_of["ulysses"] = cheaper_backward(transfers["ulysses"])
+        elif config.ring == "ulysses":
+            details["ring_note"] = f"ulysses_ring does not apply: {not_hybrid}"
     if config.attention_plan != "auto":
         plan_of = {ring: config.attention_plan for ring in plan_of}
-    ring, costs = "flat", None
-    if double is not None:
+    ring = "flat"
+    if shape is not None:
         machine = machine_from_options(q_val.device.type, config.link_bandwidth, config.compute_flops)
-        best, costs = choose_ring(layout, mask, seq_len, *shape, B, Hq, Hkv, D, dtype, plan_of.get, machine)
-        ring = best if config.ring == "auto" else config.ring
-    choice = masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype,
-                         (cheaper_backward(double) if ring == "double" else flat_plan))
+        best, costs = choose_ring(layout, mask, seq_len, *shape, B, Hq, Hkv, D, dtype, plan_of.get, machine,
+                                  candidates=tuple(r for r in ("double", "ulysses", "flat") if r in plan_of))
+        details["predicted_seconds"] = {name: round(cost.total, 6) for name, cost in costs.items()}
+        ring = best if config.ring == "auto" else config.ring if config.ring in plan_of else "double"
     plan_name = plan_of[ring]
+    planner_plan = cheaper_backward(transfers[ring]) if ring in transfers else flat_plan
+    choice = masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype, planner_plan)
     chosen = choice if plan_name == choice.plan else masked_plan(layout, mask, seq_len, P, B, Hq, Hkv, D, dtype,
                                                                  plan_name)
-    groups = list(context.ring_groups) if ring == "double" else [group_name]
-    details = {"ring": _ring_name(groups)}
-    if costs is not None:
-        details["predicted_seconds"] = {name: round(cost.total, 6) for name, cost in costs.items()}
     if ring == "double":
+        groups = list(context.ring_groups)
+    elif ring == "ulysses":
+        groups = [UlyssesRing.ULYSSES, context.ring_groups[1], context.ring_groups[0]]
+    else:
+        groups = [group_name]
+    details["ring"] = _ring_name(groups)
+    if ring in transfers:
         ops = {"forward": "forward", "backward": plan_name}
+        found = transfers[ring]
+        if ring == "double":
+            by_link = {kind: {link: max(links[link] for links in found[op].sent_by_link) for link in ("inter", "intra")}
+                       for kind, op in ops.items()}
+        else:  # the hybrid: the ring's bytes cross nodes, the all-to-alls stay inside
+            a2a = dict(zip(("forward", "backward"), ulysses_bytes(seq_len // P, shape[1], B, Hq, Hkv, D, dtype)))
+            by_link = {kind: {"inter": max(found[op].sent), "intra": a2a[kind]} for kind, op in ops.items()}
         details.update({
-            "predicted_bytes": {kind: max(double[op].sent) for kind, op in ops.items()},
-            "bytes_over_bound": {kind: round(over_bound(double[op].received, chosen.bound_per_rank[op]), 4)
-                                 for kind, op in ops.items()},
-            "predicted_bytes_by_link": {kind: {link: max(links[link] for links in double[op].sent_by_link)
-                                               for link in ("inter", "intra")} for kind, op in ops.items()},
+            "predicted_bytes": {kind: sum(links.values()) for kind, links in by_link.items()},
+            "predicted_bytes_by_link": by_link,
         })
+        if ring == "double":
+            details["bytes_over_bound"] = {kind: round(over_bound(found[op].received, chosen.bound_per_rank[op]), 4)
+                                           for kind, op in ops.items()}
     return groups, plan_name, choice, chosen, details
 
 

@@ -50,7 +50,22 @@ def test_choice_is_the_faster_ring_and_slow_inter_links_favour_the_double_ring(m
         assert costs[best].total <= min(c.total for c in costs.values())
     best, costs = choose_ring(*args, lambda ring: "burst", _machine(1e12, 1e9, 1e6))
     if mask != MaskSpec.causal() & SlidingWindow(20):  # a short window moves a halo only, between neighbours
-        assert best == "double" and costs["double"].total < costs["flat"].total
+        # both two-level plans cross nodes once per block; the flat ring G times
+        assert best != "flat" and costs["double"].total < costs["flat"].total
+        assert costs["ulysses"].total < costs["flat"].total
+
+
+def test_hybrid_costs_its_all_to_alls_and_a_ring_over_the_nodes():
+    """Full mask, 2 x 2, contiguous, unlimited inter links: the hybrid's time is its compute plus the
+    all-to-alls at the intra-node rate: q, k, v, out and the LSE, half of each leaves the rank."""
+    seq_len, local, flops, intra = 64, 16, 1e9, 1e6
+    B, Hq, Hkv, D, dtype = SHAPE
+    machine = _machine(flops, intra, 1e18)
+    cost = predicted_ring_cost("ulysses", "contiguous", MaskSpec.full(), seq_len, 2, 2, *SHAPE, "kv_ring", machine)
+    element = 4
+    forward_a2a = local // 2 * B * (Hq * D * element * 2 + Hkv * D * element * 2 + Hq * 4)
+    compute_forward = 4 * D * B * (Hq // 2) * (2 * local) ** 2 * 2 / flops  # 2 node pairs of 2 shards each
+    assert cost.forward == pytest.approx(compute_forward + forward_a2a / intra)
 
 
 def test_machine_options_override_the_defaults():

@@ -14,6 +14,7 @@ import torch
 from burstc import layout as layouts
 from burstc import planner
 from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
+from burstc.block_geometry import pairs_hidden_by_data
 from burstc.ops import ring_attention as ra
 from burstc.testing import tolerance, zoo
 from burstc.testing.ring_cases import ring_attention_case
@@ -94,9 +95,17 @@ def _check(per_rank, mesh_shape, grid):
                 assert diff <= allowed.atol + allowed.rtol * scale, (context, key, diff, scale)
             mask, seq_len = _masks(local_len)[name], local_len * world_size
             data = _data_for(mask, seq_len, index)
-            from burstc.block_geometry import pairs_hidden_by_data
-            hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, data["doc_ids"], data["key_valid"])
-            if ring == "double":
+            if ring == "ulysses":  # the ring runs across nodes, on node shards of H / G heads
+                ring_len, ring_size, shape = local_len * per_node, nodes, (BATCH, HEADS_Q // per_node,
+                                                                           HEADS_KV // per_node, HEAD_DIM, torch.float32)
+            else:
+                ring_len, ring_size, shape = local_len, world_size, fp32
+            ring_rank = rank // per_node if ring == "ulysses" else rank  # the hybrid: its rank in its lane's ring
+            hidden = pairs_hidden_by_data(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
+            if ring == "ulysses":
+                predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, nodes, *shape,
+                                                        hidden_pairs=hidden)
+            elif ring == "double":
                 predicted = planner.predicted_double_ring_transfers(layout, mask.static_part, seq_len, nodes, per_node,
                                                                     *fp32, hidden_pairs=hidden)
             else:
@@ -104,8 +113,8 @@ def _check(per_rank, mesh_shape, grid):
                                                         hidden_pairs=hidden)
             for op, key in (("forward", "forward"), ("backward", plan)):
                 got_plan, sent, received, by_link = counters[op]
-                assert list(sent) == list(predicted[key].sent_per_step[rank]), (context, op)
-                assert list(received) == list(predicted[key].received_per_step[rank]), (context, op)
+                assert list(sent) == list(predicted[key].sent_per_step[ring_rank]), (context, op)
+                assert list(received) == list(predicted[key].received_per_step[ring_rank]), (context, op)
                 if ring == "double":
                     want_links = predicted[key].sent_by_link[rank]
                     assert {k: v for k, v in by_link.items() if v} == {k: v for k, v in want_links.items() if v}, \
@@ -116,8 +125,10 @@ def _check(per_rank, mesh_shape, grid):
 
 @pytest.mark.multirank
 def test_double_ring_2x2_is_exact_and_sends_what_the_planner_predicts(workers):
-    """Every mask kind, layout and plan on the double ring; a few on the flat ring over the same 2-D mesh."""
-    grid = _grid() + _grid(rings=("flat",), layouts_=("zigzag",), names=("causal", "documents"))
+    """Every mask kind, layout and plan on the double ring and the hybrid; a few on the flat ring over the same
+    2-D mesh."""
+    grid = (_grid() + _grid(rings=("flat",), layouts_=("zigzag",), names=("causal", "documents"))
+            + _grid(rings=("ulysses",), layouts_=("zigzag", "contiguous")))
     _check(workers.get(4).run(_run_grid, (2, 2), grid), (2, 2), grid)
 
 
@@ -247,3 +258,19 @@ def test_auto_picks_the_flat_ring_when_the_cost_model_says_so(workers):
         assert not errors_above(result["errors"], rtol, rtol), result["report"]
         assert set(result["rings"]) == {"flat"}, result["rings"]
         assert "predicted_seconds" in result["report"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("options,ring", [
+    ({"ring": "ulysses"}, "ulysses_ring 2x2"),
+    # intra-node links fast, inter-node ones slow: both two-level plans beat the flat ring
+    ({"link_bandwidth": {"intra": 1e12, "inter": 1e6}}, ("double 2x2", "ulysses_ring 2x2")),
+])
+def test_compile_runs_the_hybrid_exactly(workers, options, ring):
+    from burstc.testing.oracle import errors_above
+
+    results = workers.get(4).run(_compiled_on_2x2, options)
+    rtol = tolerance(torch.float32, "sharded_param_grad").rtol
+    for result in results:
+        assert not errors_above(result["errors"], rtol, rtol), result["report"]
+        assert len(set(result["rings"])) == 1 and result["rings"][0] in ((ring,) if isinstance(ring, str) else ring)

@@ -108,9 +108,9 @@ def test_ring_posts_receives_before_sends(monkeypatch):
     assert recorder.sent_bytes == recorder.received_bytes == 5 * 4
 
 
-def test_op_takes_one_or_two_process_groups():
+def test_op_takes_one_two_or_the_hybrids_three_group_names():
     q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match=r"one process group \(a flat ring\) or two .* got 3"):
+    with pytest.raises(NotImplementedError, match=r"one process group \(a flat ring\), two .* got 3"):
         torch.ops.burstc.ring_attention_forward(q, q, q, ["a", "b", "c"], "zigzag", "causal", 0.5, "kv_ring")
 
 

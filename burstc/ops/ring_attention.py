@@ -37,7 +37,7 @@ from burstc.layout import check_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 from burstc.block_geometry import check_executable
 from burstc.ops.lse_merge import ACC_DTYPE
-from burstc.ops.ring_comm import Ring, TwoLevelRing, resolve_group
+from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, resolve_group
 from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_backward, ring_forward
 from burstc.ops.ring_stats import RingCallStats, RingStats, record_stats  # noqa: F401  (public API)
 
@@ -64,19 +64,22 @@ def resolve_plan(plan: str, q: Tensor, k: Tensor, world_size: int, layout: str =
 # Custom ops
 
 
-def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing:
+def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing | UlyssesRing:
     """The ring of a sequence-parallel spec: one group name (a flat ring over it), or two, ``[inter, intra]``
     (a double ring: the lanes across nodes and this node's ranks, both of at least 2 ranks)."""
     if len(group_names) == 1:
         return Ring(resolve_group(group_names[0]))
+    if len(group_names) == 3 and group_names[0] == UlyssesRing.ULYSSES:
+        return UlyssesRing(*(resolve_group(name) for name in group_names[1:]))
     if len(group_names) == 2:
         ring = TwoLevelRing(*(resolve_group(name) for name in group_names))
         if ring.nodes < 2 or ring.per_node < 2:
             raise ValueError(f"a double ring needs at least 2 nodes of at least 2 ranks, got {ring.nodes} x "
                              f"{ring.per_node}; use a flat ring (one group name)")
         return ring
-    raise NotImplementedError(f"ring attention runs over one process group (a flat ring) or two (inter-node and "
-                              f"intra-node: a double ring), got {len(group_names)}: {list(group_names)}")
+    raise NotImplementedError(f"ring attention runs over one process group (a flat ring), two (inter-node and "
+                              f"intra-node: a double ring) or 'ulysses' and two (intra-node all-to-all, inter-node "
+                              f"ring), got {len(group_names)}: {list(group_names)}")
 
 
 # Explicit schemas: ``str[]`` (one group name per sequence-parallel mesh dim) is not inferred from hints.
@@ -178,14 +181,15 @@ register_lower_precision(_ring_attention_forward_op, (0, 1, 2))
 # Public API
 
 
-RING_KINDS = ("auto", "flat", "double")
+RING_KINDS = ("auto", "flat", "double", "ulysses")
 
 
-def resolve_ring_groups(group_or_mesh=None, ring: str = "auto") -> list[dist.ProcessGroup]:
-    """A ProcessGroup, a DeviceMesh, or None (the default group) -> the ring's process groups: one (a flat
-    ring) or ``[inter, intra]`` (a double ring over a 2-D mesh whose first dim spans nodes and second the
-    ranks of a node).  ``ring``: ``"flat"``, ``"double"`` or ``"auto"`` (double on a 2-D mesh of at least
-    2 x 2, else flat; a flat ring over a 2-D mesh runs over its flattened, node-major order)."""
+def resolve_ring_groups(group_or_mesh=None, ring: str = "auto") -> tuple[list[str], int]:
+    """A ProcessGroup, a DeviceMesh, or None (the default group) -> ``(the op's group names, world size)``: one
+    group (a flat ring), ``[inter, intra]`` (a double ring over a 2-D mesh whose first dim spans nodes and second
+    the ranks of a node) or ``["ulysses", intra, inter]`` (the hybrid, :mod:`burstc.ops.ulysses`).  ``ring``:
+    ``"flat"``, ``"double"``, ``"ulysses"`` or ``"auto"`` (double on a 2-D mesh of at least 2 x 2, else flat; a
+    flat ring over a 2-D mesh runs over its flattened, node-major order)."""
     if ring not in RING_KINDS:
         raise ValueError(f"ring must be one of {RING_KINDS}, got {ring!r}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -196,22 +200,27 @@ def resolve_ring_groups(group_or_mesh=None, ring: str = "auto") -> list[dist.Pro
 
     if isinstance(group_or_mesh, DeviceMesh) and group_or_mesh.ndim == 2:
         nodes, per_node = group_or_mesh.shape
+        inter, intra = group_or_mesh.get_group(0).group_name, group_or_mesh.get_group(1).group_name
+        if ring in ("double", "ulysses") and (nodes < 2 or per_node < 2):
+            raise ValueError(f"a {ring} ring needs a mesh of at least 2 x 2, got {nodes} x {per_node}")
+        if ring == "ulysses":
+            return [UlyssesRing.ULYSSES, intra, inter], nodes * per_node
         if ring == "double" or (ring == "auto" and nodes >= 2 and per_node >= 2):
-            if nodes < 2 or per_node < 2:
-                raise ValueError(f"a double ring needs a mesh of at least 2 x 2, got {nodes} x {per_node}")
-            return [group_or_mesh.get_group(0), group_or_mesh.get_group(1)]
-        return [group_or_mesh._flatten().get_group()]
-    if ring == "double":
-        raise ValueError(f"a double ring needs a 2-D DeviceMesh (nodes x ranks per node), got {group_or_mesh!r}")
+            return [inter, intra], nodes * per_node
+        return [group_or_mesh._flatten().get_group().group_name], nodes * per_node
+    if ring in ("double", "ulysses"):
+        raise ValueError(f"a {ring} ring needs a 2-D DeviceMesh (nodes x ranks per node), got {group_or_mesh!r}")
     if group_or_mesh is None:
-        return [dist.group.WORLD]
-    if isinstance(group_or_mesh, DeviceMesh):
+        group = dist.group.WORLD
+    elif isinstance(group_or_mesh, DeviceMesh):
         if group_or_mesh.ndim != 1:
             raise ValueError(f"ring_attention needs a 1-D or 2-D DeviceMesh, got {group_or_mesh.ndim}-D {group_or_mesh}")
-        return [group_or_mesh.get_group()]
-    if isinstance(group_or_mesh, dist.ProcessGroup):
-        return [group_or_mesh]
-    raise TypeError(f"group_or_mesh must be a ProcessGroup, a DeviceMesh or None, got {type(group_or_mesh)}")
+        group = group_or_mesh.get_group()
+    elif isinstance(group_or_mesh, dist.ProcessGroup):
+        group = group_or_mesh
+    else:
+        raise TypeError(f"group_or_mesh must be a ProcessGroup, a DeviceMesh or None, got {type(group_or_mesh)}")
+    return [group.group_name], dist.get_world_size(group)
 
 
 def _resolve_mask(causal: bool | None, mask: MaskSpec | None) -> MaskSpec:
@@ -263,20 +272,25 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
     term).  ``plan`` picks the backward (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's
     cheaper one).  A query row that sees nothing gets out 0, lse -inf, zero gradients (as SDPA).
     ``group_or_mesh`` may be a 2-D mesh (nodes x ranks per node; tokens in its node-major order): ``ring``
-    picks a ``"double"`` ring (the default there, :mod:`burstc.ops.double_ring`) or a ``"flat"`` one.
+    picks a ``"double"`` ring (the default there, :mod:`burstc.ops.double_ring`), a ``"flat"`` one, or
+    ``"ulysses"`` (all-to-all inside a node, a ring across nodes: :mod:`burstc.ops.ulysses`).
     """
     mask = _resolve_mask(causal, mask)
     _check_data_present(mask, doc_ids, key_valid)
     q, k, v = cast_like_lower_precision((q, k, v), q.device.type)  # as SDPA under torch.autocast
     _check_inputs(q, k, v, layout, plan)
-    groups = resolve_ring_groups(group_or_mesh, ring)
-    world_size = 1
-    for group in groups:  # (a loop Dynamo traces: dist.get_world_size is constant-folded)
-        world_size *= dist.get_world_size(group)
+    group_names, world_size = resolve_ring_groups(group_or_mesh, ring)
     _mask_data(mask, doc_ids, key_valid, q.shape[0], q.shape[2] * world_size, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return torch.ops.burstc.ring_attention_forward(q, k, v, [group.group_name for group in groups], layout,
-                                                   mask.encode(), scale, plan, doc_ids, key_valid)
+    if ring == "ulysses":
+        from burstc.ops.ulysses import hybrid_applies
+
+        problem = hybrid_applies(layout, q.shape[1], k.shape[1], world_size // dist.get_world_size(
+            resolve_group(group_names[2])))
+        if problem:
+            raise ValueError(f"ring='ulysses': {problem}")
+    return torch.ops.burstc.ring_attention_forward(q, k, v, group_names, layout, mask.encode(), scale, plan,
+                                                   doc_ids, key_valid)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,

@@ -103,6 +103,20 @@ class TwoLevelRing:
         return self.position.seq_rank(node_offset, local_offset)
 
 
+class UlyssesRing:
+    """This rank in a nodes x ranks-per-node mesh running the hybrid (:mod:`burstc.ops.ulysses`): all-to-all
+    over ``intra`` (this node's ranks), a flat :class:`Ring` over ``inter`` (this rank's lane)."""
+
+    ULYSSES = "ulysses"  # the first of the op's group names marks the hybrid: ["ulysses", intra, inter]
+
+    def __init__(self, intra: dist.ProcessGroup, inter: dist.ProcessGroup):
+        self.intra, self.inter = intra, Ring(inter, link="inter")
+        self.nodes, self.per_node = self.inter.size, intra.size()
+        self.node, self.local = self.inter.rank, intra.rank()
+        self.size = self.nodes * self.per_node
+        self.rank = self.node * self.per_node + self.local
+
+
 class _Posted(list):
     """A step's requests, with the peer of each and the ring's wait timeout (for :func:`wait`)."""
 

@@ -51,7 +51,7 @@ from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_hides_pa
                                    travelling_rows)
 from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
-from burstc.ops.ring_comm import Ring, TwoLevelRing, wait
+from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
 from burstc.ops.ring_stats import CallRecorder
 
 _DQ, _DK, _DV = 0, 1, 2  # positions in a block's (dq, dk, dv)
@@ -250,6 +250,10 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
         from burstc.ops.double_ring import double_ring_forward
 
         return double_ring_forward(q_BHSD, k_BHSD, v_BHSD, ring, layout, mask, scale, data)
+    if isinstance(ring, UlyssesRing):
+        from burstc.ops.ulysses import ulysses_ring_forward
+
+        return ulysses_ring_forward(q_BHSD, k_BHSD, v_BHSD, ring, layout, mask, scale, data)
     local_len = q_BHSD.shape[2]
     size, rank = ring.size, ring.rank
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
@@ -272,6 +276,11 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
                   out_BHSD: Tensor, lse_BHS: Tensor, grad_lse_BHS: Tensor | None, ring: Ring, layout: str,
                   mask: MaskSpec, scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of this rank's shards, contiguous in the inputs' dtypes, with backward ``plan``."""
+    if isinstance(ring, UlyssesRing):
+        from burstc.ops.ulysses import ulysses_ring_backward
+
+        return ulysses_ring_backward(plan, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, grad_lse_BHS,
+                                     ring, layout, mask, scale, data)
     grad_out_BHSD = grad_out_BHSD.to(q_BHSD.dtype).contiguous()
     lse_BHS = lse_BHS.to(ACC_DTYPE).contiguous()
     # An lse gradient g adds P * g to d(scores): the same as using delta - g (only delta changes).
