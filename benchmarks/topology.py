@@ -11,6 +11,8 @@ between nodes than inside one (``../shared/tools/emulated-cluster``, its README 
 Causal attention forward + backward, zigzag layout, the same sharded inputs for every implementation:
 
 * ``burstc_double``: ``ring_attention(..., group_or_mesh=mesh_2d, ring="double")`` (:mod:`burstc.ops.double_ring`);
+* ``burstc_ulysses``: ``ring="ulysses"``, all-to-all inside each node and the ring across nodes
+  (:mod:`burstc.ops.ulysses`);
 * ``burstc_flat``: the same op over the flattened mesh (``ring="flat"``: every rank sends its block straight
   to each other rank, so G (N - 1) blocks per rank cross nodes);
 * ``torch_ring``: PyTorch's ``_templated_ring_attention`` over the whole world, head-tail balanced
@@ -44,7 +46,7 @@ from burstc.attention_ir import MaskSpec  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
 from ring_attention import DTYPES, _leaves, run_torch_ring, shard_with_reference  # noqa: E402  (benchmarks/ring_attention.py)
 
-IMPLS = ("burstc_double", "burstc_flat", "torch_ring")
+IMPLS = ("burstc_double", "burstc_ulysses", "burstc_flat", "torch_ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,11 @@ def _run_burstc(kind: str):
                 links[link] = links.get(link, 0) + nbytes
         if "ring" in links:  # the flat ring counts one class: split it by each step's peer
             links = _flat_links(config, dist.get_rank(), stats)
+        if kind == "ulysses":  # the counters see the ring across nodes; the all-to-alls stay inside the node
+            from burstc.cost_model import ulysses_bytes
+
+            links["intra"] = sum(ulysses_bytes(config.seq_len // config.world_size, config.per_node, 1, config.heads_q,
+                                               config.heads_kv, config.head_dim, DTYPES[config.dtype]))
         return out, q_.grad, k_.grad, v_.grad, {"links": links, "plan": stats.of("backward")[0].plan}
     return run
 
@@ -127,7 +134,8 @@ def _torch_ring_links(config: Config, q) -> dict[str, int]:
     return {link: 2 * (size - 1) * kv + size * dkv}
 
 
-RUNNERS = {"burstc_double": _run_burstc("double"), "burstc_flat": _run_burstc("flat"), "torch_ring": _run_torch_ring}
+RUNNERS = {"burstc_double": _run_burstc("double"), "burstc_ulysses": _run_burstc("ulysses"),
+           "burstc_flat": _run_burstc("flat"), "torch_ring": _run_torch_ring}
 
 
 def _measured_flops(q, k, v) -> float:
