@@ -212,29 +212,30 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
         kv_owner = (rank - step) % size
         sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
         requests = ring.post_between(sends, recvs, recorder, step)
-        for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
-            if kv_cur is None:
-                raise AssertionError(f"block {block} of pair ({rank}, {kv_owner}), but no key rows travelled")
-            q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
-            positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
-            if positions is None:
-                out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
-            else:
-                out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
-                                                        **data.kernel_args())
-            _record(recorder, step, block, positions, mask, data, batch, heads_q)
-            if mask.runtime_terms:
-                rows = block.q_rows
-                merge_attention_block_or_empty_(out_acc[:, :, rows], lse_acc[:, :, rows], out_blk, lse_blk)
-            elif out_acc is None:
-                # The first block (step 0, the own diagonal one) starts the accumulators: it must
-                # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
-                # static mask one block, and every row sees its diagonal).
-                if (block.q_start, block.q_stop) != (0, local_len):
-                    raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
-                out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
-            else:
-                merge_attention_block_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
+        with recorder.step(step, rank, kv_owner):
+            for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
+                if kv_cur is None:
+                    raise AssertionError(f"block {block} of pair ({rank}, {kv_owner}), but no key rows travelled")
+                q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
+                positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
+                if positions is None:
+                    out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
+                else:
+                    out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
+                                                            **data.kernel_args())
+                _record(recorder, step, block, positions, mask, data, batch, heads_q)
+                if mask.runtime_terms:
+                    rows = block.q_rows
+                    merge_attention_block_or_empty_(out_acc[:, :, rows], lse_acc[:, :, rows], out_blk, lse_blk)
+                elif out_acc is None:
+                    # The first block (step 0, the own diagonal one) starts the accumulators: it must
+                    # cover every query row, as the merge has no -inf start (blocks() keeps the own pair of a
+                    # static mask one block, and every row sees its diagonal).
+                    if (block.q_start, block.q_stop) != (0, local_len):
+                        raise NotImplementedError(f"first block {block} does not cover all {local_len} query rows")
+                    out_acc, lse_acc = out_blk.to(ACC_DTYPE), lse_blk
+                else:
+                    merge_attention_block_(out_acc[:, :, block.q_rows], lse_acc[:, :, block.q_rows], out_blk, lse_blk)
         wait(requests)
         kv_cur = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
     recorder.publish()
@@ -308,25 +309,26 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
         elif travelling is not None:  # what travelled here goes back, even where the data hide it all
             partial = [torch.zeros(g.shape, dtype=ACC_DTYPE, device=g.device) for g in own_travelling_grads]
         own_out = out if q_owner == rank else None
-        for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
-            if travelling is None:
-                raise AssertionError(f"block {block} of pair ({q_owner}, {kv_owner}), but no rows travelled")
-            (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
-                (travelling, home) if plan.queries_travel else (home, travelling))
-            rows, cols = block.q_rows, block.kv_rows
-            inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
-                      lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
-                      None if own_out is None else own_out[:, :, rows])
-            positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, q.device)
-            if positions is None:
-                block_grads = block_attention_backward(*inputs, block.causal, scale)
-            else:
-                block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
-            _record(recorder, step, block, positions, mask, data, batch, heads_q)
-            for i in plan.home_grads:
-                _add_rows_(grads[i], _rows(i, block), block_grads[i])
-            for acc, i in zip(partial, plan.travelling_grads):
-                _add_rows_(acc, _rows(i, block), block_grads[i])
+        with recorder.step(step, q_owner, kv_owner):
+            for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
+                if travelling is None:
+                    raise AssertionError(f"block {block} of pair ({q_owner}, {kv_owner}), but no rows travelled")
+                (q_cur, grad_out_cur, lse_cur, delta_cur), (k_cur, v_cur) = (
+                    (travelling, home) if plan.queries_travel else (home, travelling))
+                rows, cols = block.q_rows, block.kv_rows
+                inputs = (grad_out_cur[:, :, rows], q_cur[:, :, rows], k_cur[:, :, cols], v_cur[:, :, cols],
+                          lse_cur[:, :, rows], None if delta_cur is None else delta_cur[:, :, rows],
+                          None if own_out is None else own_out[:, :, rows])
+                positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, q.device)
+                if positions is None:
+                    block_grads = block_attention_backward(*inputs, block.causal, scale)
+                else:
+                    block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
+                _record(recorder, step, block, positions, mask, data, batch, heads_q)
+                for i in plan.home_grads:
+                    _add_rows_(grads[i], _rows(i, block), block_grads[i])
+                for acc, i in zip(partial, plan.travelling_grads):
+                    _add_rows_(acc, _rows(i, block), block_grads[i])
         wait(requests)
         _add_returned_(returned, own_travelling_grads)
         previous = partial if step > 0 else None
