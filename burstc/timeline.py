@@ -107,7 +107,8 @@ def _arrange(path: Path, rank: int) -> None:
     events = trace["traceEvents"]
     tracks: dict[tuple[int, str, int], int] = {}
     for event in events:
-        args = ring_stats.SPAN_ARGS.get(event.get("name")) if event.get("ph") == "X" else None
+        # host spans only (on CUDA the profiler mirrors user annotations onto the streams as gpu_user_annotation)
+        args = ring_stats.SPAN_ARGS.get(event.get("name")) if event.get("cat") == "user_annotation" else None
         if args is None:
             continue
         event.setdefault("args", {}).update(args)
