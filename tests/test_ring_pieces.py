@@ -103,8 +103,8 @@ def test_ring_posts_receives_before_sends(monkeypatch):
         def received(self, step, tensors):
             self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
-        def posting(self, step, transfers):
-            assert transfers == [("recv", 0, 5 * 4, 2), ("send", 2, 5 * 4, 2)]
+        def posting(self, step, describe):
+            assert describe() == [("recv", 0, 5 * 4, 2), ("send", 2, 5 * 4, 2)]
             return contextlib.nullcontext()
 
     sends, recvs, recorder = [torch.zeros(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)], Recorder()

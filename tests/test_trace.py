@@ -51,14 +51,14 @@ def test_hidden_time_is_the_part_of_a_transfer_spent_computing(monkeypatch):
     q = torch.zeros(1, 2, 4, 8)
     with ring_stats.record_stats() as stats:
         recorder = ring_stats.CallRecorder("backward", "kv_ring", ring, "zigzag", "causal", q, q)
-        with recorder.posting(0, [("send", 1, 64, 1)]) as posted:
+        with recorder.posting(0, lambda: [("send", 1, 64, 1)]) as posted:
             pass
         with recorder.step(0, 0, 0):
             pass
         posted.waiting()
         posted.request_done(0)
         posted.waited()
-        with recorder.posting(1, [("recv", 1, 64, 1)]) as last_hop:
+        with recorder.posting(1, lambda: [("recv", 1, 64, 1)]) as last_hop:
             pass
         last_hop.waiting()
         last_hop.waited()
@@ -79,7 +79,10 @@ def test_nothing_is_recorded_or_traced_when_off(monkeypatch):
     ring = types.SimpleNamespace(size=2, rank=0, peer=lambda offset: offset % 2)
     q = torch.zeros(1, 2, 4, 8)
     recorder = ring_stats.CallRecorder("forward", None, ring, "zigzag", "causal", q, q)
-    assert recorder.step(0, 0, 0) is recorder.posting(0, [("send", 1, 64, 1)]) is ring_stats._NOTHING
+    def describe():
+        raise AssertionError("transfers described with nothing recorded")
+
+    assert recorder.step(0, 0, 0) is recorder.posting(0, describe) is ring_stats._NOTHING
 
 
 class _Tiny(torch.nn.Module):

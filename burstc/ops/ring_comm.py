@@ -13,7 +13,7 @@ Every wait is bounded: by the timeout ``burstc.compile(..., timeout=)`` set for 
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
@@ -37,9 +37,10 @@ class SendRecorder(Protocol):
 
     def received(self, step: int, tensors: Sequence[Tensor]) -> None: ...
 
-    def posting(self, step: int, transfers: Sequence[tuple[str, int, int, int]]):
-        """A context manager around posting the transfers ``(direction, global peer, bytes, requests)``;
-        it gives what :func:`wait` reports to (``waiting()``, ``request_done(i)``, ``waited()``), or None."""
+    def posting(self, step: int, describe: Callable[[], list[tuple[str, int, int, int]]]):
+        """A context manager around posting a step's transfers, ``describe()``: ``(direction, global peer, bytes,
+        requests)`` each (called only when recorded); it gives what :func:`wait` reports to (``waiting()``,
+        ``request_done(i)``, ``waited()``), or None."""
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -82,15 +83,14 @@ class Ring:
             return []
         peers = [("receive from", self.peer(offset)) for offset, tensors in recvs for _ in tensors]
         peers += [("send to", self.peer(offset)) for offset, tensors in sends for _ in tensors]
-        transfers = [("recv", self.peer(offset), _nbytes(tensors), len(tensors)) for offset, tensors in recvs if tensors]
-        transfers += [("send", self.peer(offset), _nbytes(tensors), len(tensors)) for offset, tensors in sends if tensors]
-        with recorder.posting(step, transfers) as posted:
+        with recorder.posting(step, lambda: self._transfers(recvs, sends)) as posted:
             requests = dist.batch_isend_irecv(ops)
         return _Posted(requests, peers, self.timeout_s, posted)
 
-
-def _nbytes(tensors: Sequence[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    def _transfers(self, recvs, sends) -> list[tuple[str, int, int, int]]:
+        """``(direction, global peer, bytes, requests)`` of each message group, in request order."""
+        return [(direction, self.peer(offset), sum(t.numel() * t.element_size() for t in tensors), len(tensors))
+                for direction, groups in (("recv", recvs), ("send", sends)) for offset, tensors in groups if tensors]
 
 
 class _Posted(list):

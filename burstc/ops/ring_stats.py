@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from torch import Tensor
 from torch.autograd.profiler import record_function
@@ -213,12 +213,13 @@ class CallRecorder:
             return _NOTHING
         return _ComputeStep(self, step, q_owner, kv_owner)
 
-    def posting(self, step: int, transfers: Sequence[tuple[str, int, int, int]]):
-        """Around posting step ``step``'s ``transfers``: ``(direction "send"|"recv", global peer rank, bytes,
-        requests)`` in request order.  Gives what :func:`burstc.ops.ring_comm.wait` reports to; None when off."""
+    def posting(self, step: int, describe: Callable[[], Sequence[tuple[str, int, int, int]]]):
+        """Around posting step ``step``'s transfers, ``describe()``: ``(direction "send"|"recv", global peer rank,
+        bytes, requests)`` in request order.  Gives what :func:`burstc.ops.ring_comm.wait` reports to; None when
+        off (then ``describe`` is not called)."""
         if not (self.enabled or self.spans):
             return _NOTHING
-        return _Transfers(self, step, transfers)
+        return _Transfers(self, step, describe())
 
     def sent(self, step: int, tensors: Sequence[Tensor]) -> None:
         if self.enabled:
