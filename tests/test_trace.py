@@ -121,6 +121,18 @@ def test_trace_option_writes_a_file_per_call_after_the_first(tmp_path, monkeypat
     assert [w.call for w in burstc.report(traced).traces] == [1, 2]
 
 
+def test_trace_block_of_a_model_is_listed_in_its_report(tmp_path):
+    model = _Tiny()
+    with pytest.raises(TypeError, match="burstc.compile"):
+        with burstc.trace(tmp_path, model=model):
+            pass
+    cmodel = burstc.compile(model, backend="aot_eager")
+    with burstc.trace(tmp_path, model=cmodel) as window:
+        cmodel(torch.randn(2, 8)).backward()
+    assert burstc.report(cmodel).traces == [window] and window.path == tmp_path / "rank0.json"
+    assert f"trace of rank 0: no ring transfers -> {window.path}" in str(burstc.report(cmodel))
+
+
 def test_trace_block_with_no_ring_call(tmp_path):
     with burstc.trace(tmp_path) as window:
         torch.randn(4, 4).sum()
