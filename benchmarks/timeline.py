@@ -104,7 +104,8 @@ def draw(results, args, out: Path) -> None:
     for result, (lanes, _, _) in zip(results, per_rank):
         for lane, spans in lanes.items():
             bars = [((s - origin) / 1e6, d / 1e6) for s, d, _ in spans]
-            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=[COLOURS[key] for _, _, key in spans], linewidth=0)
+            ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=[COLOURS[key] for _, _, key in spans],
+                       edgecolor="white", linewidth=0.6)  # adjacent steps stay apart
             ticks.append(y)
             labels.append(f"rank {result['rank']}: {lane}")
             y -= 1
