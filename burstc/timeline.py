@@ -96,6 +96,7 @@ class TraceWindow:
         profiler.stop()
         profiler.export_chrome_trace(str(self.path))
         _arrange(self.path, self.rank)
+        ring_stats.SPAN_ARGS.clear()
         if self._report is not None:
             self._report.traces.append(self)
 
@@ -119,8 +120,8 @@ def _arrange(path: Path, rank: int) -> None:
         name = f"ring sends to rank {peer}" if direction == "send" else f"ring receives from rank {peer}"
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
-    for event in events:
-        if event.get("ph") == "M" and event.get("name") == "process_name":
+    for event in events:  # this process's track (not a GPU's)
+        if event.get("ph") == "M" and event.get("name") == "process_name" and event.get("pid") == os.getpid():
             event["args"] = {"name": f"rank {rank}"}
     path.write_text(json.dumps(trace))
 

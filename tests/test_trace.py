@@ -138,6 +138,9 @@ def test_trace_block_with_no_ring_call(tmp_path):
         torch.randn(4, 4).sum()
     assert window.overlap is None and window.stats.calls == []
     assert any(e["name"].startswith("aten::") for e in _spans(tmp_path / "rank0.json"))
+    names = [e for e in json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+             if e.get("name") == "process_name" and e["pid"] == os.getpid()]
+    assert [e["args"]["name"] for e in names] == ["rank 0"]
     with burstc.trace(tmp_path):
         with pytest.raises(RuntimeError, match="already being written"):
             with burstc.trace(tmp_path / "inner"):
