@@ -215,8 +215,8 @@ class CallRecorder:
 
     def posting(self, step: int, describe: Callable[[], Sequence[tuple[str, int, int, int]]]):
         """Around posting step ``step``'s transfers, ``describe()``: ``(direction "send"|"recv", global peer rank,
-        bytes, requests)`` in request order.  Gives what :func:`burstc.ops.ring_comm.wait` reports to; None when
-        off (then ``describe`` is not called)."""
+        bytes, requests)`` in request order.  Gives what :func:`burstc.ops.ring_comm.wait` reports to (None when
+        off: then ``describe`` is not called)."""
         if not (self.enabled or self.spans):
             return _NOTHING
         return _Transfers(self, step, describe())
@@ -270,7 +270,7 @@ class _Transfers:
 
     def __init__(self, recorder: CallRecorder, step: int, transfers: Sequence[tuple[str, int, int, int]]):
         self.recorder, self.step = recorder, step
-        self.spans: list[_Span | None] = []
+        self.spans: list[_Span] = []
         self.last_request: dict[int, int] = {}  # index of a transfer's last request -> index of the transfer
         first = 0
         for index, (direction, peer, nbytes, requests) in enumerate(transfers):
