@@ -4,7 +4,8 @@ from burstc.config import BurstConfig
 from burstc.errors import MeshError, PeerFailure, PeerTimeout
 from burstc.ops.ring_attention import ring_attention, ring_attention_with_lse
 from burstc.report import Report, RewriteRecord, SkipRecord
+from burstc.timeline import trace
 
 __all__ = ["compile", "report", "BurstConfig", "MeshError", "PeerFailure", "PeerTimeout", "Report", "RewriteRecord",
-           "SkipRecord", "ring_attention", "ring_attention_with_lse"]
+           "SkipRecord", "ring_attention", "ring_attention_with_lse", "trace"]
 __version__ = "0.1.0"

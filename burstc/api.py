@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -122,16 +123,27 @@ def compile(model, mesh=None, **options):
     # torch._dynamo.optimize is what torch.compile calls; torch.compile would wrap the backend in an object
     # that hides its backend_ctx_ctor, the context Dynamo enters around tracing (see BurstBackend)
     compiled = torch._dynamo.optimize(backend, nopython=config.fullgraph, dynamic=config.dynamic)(model)
+    trace_dir = config.trace or os.environ.get("BURSTC_TRACE") or None
+    if trace_dir is not None:
+        from burstc.timeline import trace_calls
+
+        compiled = trace_calls(compiled, trace_dir, report)
     # object.__setattr__: OptimizedModule forwards setattr to the wrapped model, which we leave alone
     object.__setattr__(compiled, _REPORT_ATTR, report)
     return compiled
 
 
-def report(compiled) -> Report:
-    """The :class:`~burstc.report.Report` of a model returned by :func:`burstc.compile`."""
+def report_of(compiled) -> Report:
+    """The :class:`~burstc.report.Report` of a model returned by :func:`burstc.compile`, compiled yet or not."""
     rep = compiled.__dict__.get(_REPORT_ATTR) if hasattr(compiled, "__dict__") else None
     if rep is None:
         raise TypeError("burstc.report expects a model returned by burstc.compile")
+    return rep
+
+
+def report(compiled) -> Report:
+    """The :class:`~burstc.report.Report` of a model returned by :func:`burstc.compile`."""
+    rep = report_of(compiled)
     if not rep.compiled:
         raise RuntimeError(
             "burstc.report: nothing has been compiled yet; call the compiled model at least once "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
@@ -101,6 +102,11 @@ class BurstConfig:
     blocks the CPU until the transfer is done (the default wait only orders the CUDA streams), so set it to
     debug a stall rather than in production runs."""
 
+    trace: str | None = None
+    """A directory: every call of the compiled model but the first (which compiles) writes a Perfetto/Chrome
+    trace per rank there, ``rank{R}-call{N}.json``, with named spans for each ring step and transfer
+    (:mod:`burstc.timeline`).  ``None`` (default): the ``BURSTC_TRACE`` environment variable's directory, if set."""
+
     def __post_init__(self):
         from burstc.passes import PASS_ORDER
 
@@ -148,6 +154,10 @@ class BurstConfig:
                                     or not timeout > 0 or timeout == float("inf")):
             raise ValueError(f"option 'timeout' must be a positive number of seconds, a timedelta or None, "
                              f"got {self.timeout!r}")
+        if self.trace is not None:
+            if isinstance(self.trace, bytes) or not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
+                raise ValueError(f"option 'trace' must be a directory path or None, got {self.trace!r}")
+            object.__setattr__(self, "trace", os.fspath(self.trace))
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")

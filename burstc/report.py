@@ -84,7 +84,9 @@ class Report:
     - ``graphs[graph_id][name]``: the GraphModule of graph ``graph_id`` after ``name``: ``captured``, each
       pass that ran (by pass name), ``rewritten``, ``forward``, ``backward``.  ``graphs[name]`` (a string
       key) is the same for the first Dynamo graph that had a rewrite (else the first graph);
-    - ``passes``: one :class:`PassRun` per (pass, graph), with a note when the pass found nothing.
+    - ``passes``: one :class:`PassRun` per (pass, graph), with a note when the pass found nothing;
+    - ``traces``: this rank's traced windows (:class:`burstc.timeline.TraceWindow`: file, ring transfer time,
+      the part hidden behind compute, ``overlap``), when tracing is on.
     """
 
     def __init__(self, config, world_size: int = 1):
@@ -95,6 +97,7 @@ class Report:
         self.passes: list[PassRun] = []
         self.graph_records: list[GraphRecord] = []
         self.notes: list[str] = []
+        self.traces: list = []
 
     # -- filled in by the backend -------------------------------------------------------------
     def new_graph(self) -> GraphRecord:
@@ -182,6 +185,7 @@ class Report:
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
         lines.extend(f"note: {n}" for n in self.notes)
+        lines.extend(str(t) for t in self.traces)
         return "\n".join(lines)
 
     __repr__ = __str__

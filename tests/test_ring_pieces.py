@@ -2,6 +2,8 @@
 posting order, and the op's sequence-parallel spec / mask arguments (no process group needed)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,6 +102,10 @@ def test_ring_posts_receives_before_sends(monkeypatch):
 
         def received(self, step, tensors, link):
             self.received_bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+        def posting(self, step, describe):
+            assert describe() == [("recv", 0, 5 * 4, 2), ("send", 2, 5 * 4, 2)]
+            return contextlib.nullcontext()
 
     sends, recvs, recorder = [torch.zeros(2), torch.zeros(3)], [torch.empty(2), torch.empty(3)], Recorder()
     assert ring.post_between([(1, sends)], [(-1, recvs)], recorder, 0) == []

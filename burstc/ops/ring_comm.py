@@ -4,13 +4,16 @@ A :class:`Ring` moves blocks between any two ranks of its group by offset (:meth
 direct pattern of the mask-aware ring, where step t sends a rank's own block to rank + t).  It knows nothing about
 attention, so that a two-level (inter/intra-node) ring can compose two of them later.
 
+The recorder a step's transfers are posted with (:class:`burstc.ops.ring_stats.CallRecorder`) times them
+from posting to the return of their wait, and opens their profiler spans while a trace is written.
+
 Every wait is bounded: by the timeout ``burstc.compile(..., timeout=)`` set for the group
 (:func:`set_wait_timeout`), else by the process group's own; a wait that fails raises
 :class:`burstc.errors.PeerTimeout` / :class:`~burstc.errors.PeerFailure` naming the rank waited for.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch.distributed as dist
 from torch import Tensor
@@ -34,6 +37,11 @@ class SendRecorder(Protocol):
     def sent(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None: ...
 
     def received(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None: ...
+
+    def posting(self, step: int, describe: Callable[[], list[tuple[str, int, int, int]]]):
+        """A context manager around posting a step's transfers, ``describe()``: ``(direction, global peer, bytes,
+        requests)`` each (called only when recorded); it gives what :func:`wait` reports to (``waiting()``,
+        ``request_done(i)``, ``waited()``), or None."""
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
@@ -79,7 +87,14 @@ class Ring:
             return []
         peers = [("receive from", self.peer(offset)) for offset, tensors in recvs for _ in tensors]
         peers += [("send to", self.peer(offset)) for offset, tensors in sends for _ in tensors]
-        return _Posted(dist.batch_isend_irecv(ops), peers, self.timeout_s)
+        with recorder.posting(step, lambda: self._transfers(recvs, sends)) as posted:
+            requests = dist.batch_isend_irecv(ops)
+        return _Posted(requests, peers, self.timeout_s, posted)
+
+    def _transfers(self, recvs, sends) -> list[tuple[str, int, int, int]]:
+        """``(direction, global peer, bytes, requests)`` of each message group, in request order."""
+        return [(direction, self.peer(offset), sum(t.numel() * t.element_size() for t in tensors), len(tensors))
+                for direction, groups in (("recv", recvs), ("send", sends)) for offset, tensors in groups if tensors]
 
 
 class TwoLevelRing:
@@ -118,18 +133,27 @@ class UlyssesRing:
 
 
 class _Posted(list):
-    """A step's requests, with the peer of each and the ring's wait timeout (for :func:`wait`)."""
+    """A step's requests, with the peer of each, the ring's wait timeout and the recorder's record of the
+    posting (for :func:`wait`)."""
 
-    def __init__(self, requests, peers, timeout_s: float | None):
+    def __init__(self, requests, peers, timeout_s: float | None, posted=None):
         super().__init__(requests)
         self.peers = peers if len(peers) == len(self) else [("exchange with", None)] * len(self)
         self.timeout_s = timeout_s
+        self.posted = posted
 
 
 def wait(requests) -> None:
     timeout_s = getattr(requests, "timeout_s", None)
     peers = getattr(requests, "peers", None) or [("exchange with", None)] * len(requests)
-    for request, (what, peer) in zip(requests, peers):
+    posted = getattr(requests, "posted", None)
+    if posted is not None:
+        posted.waiting()
+    for index, (request, (what, peer)) in enumerate(zip(requests, peers)):
         who = f"rank {peer}" if peer is not None else "a peer rank"
         wait_for_peer(request, timeout_s, f"burstc ring attention: rank {dist.get_rank()} waited to {what} {who}",
                       f"Is {who} alive and calling the compiled model?")
+        if posted is not None:
+            posted.request_done(index)
+    if posted is not None:
+        posted.waited()

@@ -216,6 +216,11 @@ def attend_forward(q_BHSD: Tensor, kv_cur: list[Tensor] | None, kv_owner: int, a
     """Compute step ``step`` of a forward: this rank's queries against ``kv_cur`` (rank ``kv_owner``'s K/V,
     None when none of its rows travelled here), merged into ``acc``.  ``ring`` gives the sequence
     geometry (``size`` and this rank's ``rank`` in the sequence order), whatever moved the data."""
+    with recorder.step(step, ring.rank, kv_owner):
+        _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, scale, data, recorder, step)
+
+
+def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, scale, data, recorder, step) -> None:
     batch, heads_q, local_len, _ = q_BHSD.shape
     rank = ring.rank
     for block in _pair_blocks(layout, mask, rank, kv_owner, local_len, ring, data):
@@ -319,6 +324,13 @@ def attend_backward(plan: BackwardPlan, travelling: list[Tensor] | None, home: l
     rank.  ``travelling``: the visitor's side (None when none of its rows travelled here), ``home`` this
     rank's other side; the home side's gradients add into ``grads``, the travelling side's into ``partial``
     (``plan.travelling_grads`` order).  ``out``: this rank's own output, read only for its own queries."""
+    with recorder.step(step, q_owner, kv_owner):
+        _attend_backward_blocks(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask,
+                                scale, data, recorder, step)
+
+
+def _attend_backward_blocks(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask, scale,
+                            data, recorder, step) -> None:
     batch, heads_q, local_len, _ = grads[_DQ].shape  # q's shape
     own_out = out if q_owner == ring.rank else None
     for block in _pair_blocks(layout, mask, q_owner, kv_owner, local_len, ring, data):
