@@ -222,8 +222,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mesh", default="2x2", help="nodes x ranks per node")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[16384])
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--attention", nargs="+", choices=["mha", "gqa"], default=["mha"])
+    parser.add_argument("--heads", nargs="+", default=["4:4"], help="query:key-value heads, one or more (4:4 8:2 ...)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32"])
     parser.add_argument("--iters", type=int, default=2, help="timed rounds after one warm-up")
@@ -238,20 +237,44 @@ def main(argv=None) -> int:
     all_rows = []
     with WorkerGroup(nodes * per_node, run_timeout_s=6 * 3600) as workers:
         for seq_len in args.seq_lens:
-            for attention in args.attention:
-                heads_kv = args.heads if attention == "mha" else max(1, args.heads // 4)
+            for heads in args.heads:
+                heads_q, heads_kv = (int(x) for x in heads.split(":"))
                 for dtype in args.dtypes:
-                    config = Config(nodes, per_node, seq_len, args.heads, heads_kv, args.head_dim, dtype,
-                                    args.iters, tuple(args.impls), reference=not args.no_reference)
+                    impls = tuple(impl for impl in args.impls if impl != "burstc_ulysses"
+                                  or not (heads_q % per_node or heads_kv % per_node))
+                    config = Config(nodes, per_node, seq_len, heads_q, heads_kv, args.head_dim, dtype,
+                                    args.iters, impls, reference=not args.no_reference)
                     started = time.perf_counter()
                     per_rank = workers.run(_bench_task, config)
                     results = {impl: _combine(per_rank, impl, rates, config) for impl in config.impls}
                     print(_table(config, results, rates), flush=True)
+                    agreement = _planner_agreement(results)
+                    if agreement:
+                        print(agreement["line"], flush=True)
                     print(f"(took {time.perf_counter() - started:.0f} s)\n", flush=True)
-                    all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates, "results": results})
+                    all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates, "results": results,
+                                     "planner": agreement})
+    agreed = [row["planner"]["agrees"] for row in all_rows if row["planner"]]
+    if agreed:
+        print(f"planner's choice within 5% of the measured best in {sum(agreed)} of {len(agreed)} configurations "
+              f"({100 * sum(agreed) / len(agreed):.0f}%)")
     if args.json:
         args.json.write_text(json.dumps(all_rows, indent=2))
     return 0
+
+
+def _planner_agreement(results: dict) -> dict | None:
+    """The cost model's choice among burstc's plans (lowest predicted seconds, with the measured compute rate
+    and the given link rates) against the measured best: it agrees when its step is within 5% of the best."""
+    ours = {impl: row for impl, row in results.items() if impl.startswith("burstc_") and "predicted_s" in row}
+    if len(ours) < 2:
+        return None
+    chosen = min(ours, key=lambda impl: ours[impl]["predicted_s"])
+    best = min(ours, key=lambda impl: ours[impl]["wall_s"])
+    ratio = ours[chosen]["wall_s"] / ours[best]["wall_s"]
+    return {"chosen": chosen, "best": best, "ratio": ratio, "agrees": ratio <= 1.05,
+            "line": f"planner picks {chosen}, measured best {best}: {ratio:.2f}x its step "
+                    f"({'agrees' if ratio <= 1.05 else 'DISAGREES'})"}
 
 
 if __name__ == "__main__":
