@@ -63,6 +63,11 @@ class BurstConfig:
     reduce_grads: bool = True
     """Sum parameter gradients over the sequence mesh inside the compiled backward."""
 
+    grad_bucket_bytes: int = 25 * 2**20
+    """On a mesh, with ``reduce_grads``: the ``schedule`` pass sums parameter gradients over the sequence ranks in
+    buckets of at most this many bytes (DDP's default, 25 MiB), each issued as soon as its gradients exist and
+    waited for at the end of the backward; ``0`` keeps one all-reduce per gradient (still waited late)."""
+
     check_inputs: bool = True
     """On a mesh, every call of a sharded graph checks that all ranks got the same batch (two all-reduces of
     a 2-float hash of the integer inputs): a rank fed its own batch (a ``DistributedSampler`` habit) gets a
@@ -158,6 +163,9 @@ class BurstConfig:
             if isinstance(self.trace, bytes) or not isinstance(self.trace, (str, os.PathLike)) or not str(self.trace):
                 raise ValueError(f"option 'trace' must be a directory path or None, got {self.trace!r}")
             object.__setattr__(self, "trace", os.fspath(self.trace))
+        bucket = self.grad_bucket_bytes
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+            raise ValueError(f"option 'grad_bucket_bytes' must be a non-negative int, got {bucket!r}")
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")

@@ -79,6 +79,9 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("outline_checkpoints", "dynamo", True,
              "inlined checkpoint regions restored around the rewritten nodes",
              consumes=("checkpoint_regions",)),
+    PassSpec("schedule", "aot_backward", True,
+             "parameter-gradient all-reduces bucketed (grad_bucket_bytes), issued as soon as a bucket's gradients "
+             "exist, waited at the end of the backward"),
 )
 PASS_ORDER: tuple[str, ...] = tuple(p.name for p in PASSES)
 

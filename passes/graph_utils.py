@@ -25,6 +25,20 @@ def fake_mode_of(gm: fx.GraphModule):
     return None
 
 
+def refresh_meta(gm: fx.GraphModule) -> None:
+    """Recompute every node's example value after a rewrite (``meta['val']`` and ``example_value``), from the
+    placeholders' (fake propagation over the whole graph)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = fake_mode_of(gm)
+    inputs = [val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.recompile()
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
 def set_meta(node: fx.Node, fn, args, kwargs, fake_mode):
     """Run ``fn`` on the inputs' fake values so that ``node`` gets a consistent ``example_value``."""
     if fake_mode is None:

@@ -41,7 +41,7 @@ from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registe
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
-    placeholder_kind, set_meta, val
+    placeholder_kind, refresh_meta, set_meta, val
 from burstc.refusals import Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
@@ -298,19 +298,6 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     graph.erase_node(node)
 
 
-def _refresh_meta(gm: fx.GraphModule):
-    """Recompute every node's example value after the rewrite (local shapes), from the inputs'."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    fake_mode = fake_mode_of(gm)
-    inputs = [val(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    gm.recompile()
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
-    for node in gm.graph.nodes:
-        if "val" in node.meta:
-            node.meta["example_value"] = node.meta["val"]
-
-
 def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if context.world_size <= 1:
         context.note = "single device: nothing to shard"
@@ -370,7 +357,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
-    _refresh_meta(gm)
+    refresh_meta(gm)
     context.rewrite(KIND, "graph", {
         "seq_len": seq_len, "world_size": context.world_size, "layout": config.layout,
         "padded_to": padded_len if padded_len != seq_len else None,
