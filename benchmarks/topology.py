@@ -7,6 +7,7 @@ between nodes than inside one (``../shared/tools/emulated-cluster``, its README 
     $EC --nodes 2 --gpus-per-node 2 --intra 101 --inter 11.3 -- \
         python benchmarks/topology.py --mesh 2x2 --seq-lens 16384 --intra-mbps 101 --inter-mbps 11.3
     python benchmarks/topology.py --mesh 2x2 --seq-lens 16384      # no network limit: compute alone
+    $EC ... -- python benchmarks/topology.py --model --seq-lens 16384 ...   # a Llama training step per ring=
 
 Causal attention forward + backward, zigzag layout, the same sharded inputs for every implementation:
 
@@ -218,6 +219,58 @@ def _table(config: Config, results: dict, rates) -> str:
     return "\n".join(lines)
 
 
+MODEL_RINGS = ("double", "ulysses", "flat")
+
+
+def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: tuple[str, ...]):
+    """Training steps (forward, backward, AdamW) of a torchtitan-style Llama compiled with each ``ring``: the
+    best step time of ``config.iters`` after a compiling one, the loss, and the ring each attention ran."""
+    import burstc
+    from burstc.testing.zoo.titan import TitanLlama, TitanLlamaArgs, WithLoss
+
+    rows = {}
+    vocab = 4096
+    ids = torch.randint(0, vocab, (1, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    for ring in rings:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = WithLoss(TitanLlama(TitanLlamaArgs(dim=dim, n_layers=layers, n_heads=config.heads_q,
+                                                   n_kv_heads=config.heads_kv, vocab_size=vocab,
+                                                   max_seq_len=config.seq_len + 1))).to(DTYPES[config.dtype])
+        cmodel = burstc.compile(model, _mesh(config), backend="aot_eager", ring=ring)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        times, loss = [], None
+        for step in range(config.iters + 1):
+            dist.barrier()
+            started = time.perf_counter()
+            loss = cmodel(ids[:, :-1], ids[:, 1:])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            if step:  # the first step compiles
+                times.append(time.perf_counter() - started)
+        report = burstc.report(cmodel)
+        rows[ring] = {"wall_s": min(times), "loss": float(loss),
+                      "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
+    return rows
+
+
+def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, rates) -> str:
+    head = (f"training step (fwd+bwd+AdamW), torchtitan Llama dim={dim} layers={layers} Hq={config.heads_q} "
+            f"Hkv={config.heads_kv}, mesh {config.nodes}x{config.per_node}, S={config.seq_len} {config.dtype} | links: "
+            + (f"intra {rates[0]} MB/s, inter {rates[1]} MB/s" if rates else "not limited")
+            + f" | load average {os.getloadavg()[0]:.1f}")
+    lines = [head, "| ring= | ran | step s (best, slowest rank) | loss | vs double |", "|---|---|---|---|---|"]
+    rows = {ring: {"wall_s": max(r[ring]["wall_s"] for r in per_rank), "loss": per_rank[0][ring]["loss"],
+                   "rings": per_rank[0][ring]["rings"]} for ring in per_rank[0]}
+    base = rows.get("double", next(iter(rows.values())))["wall_s"]
+    for ring, row in rows.items():
+        lines.append(f"| {ring} | {', '.join(map(str, row['rings']))} | {row['wall_s']:.2f} | {row['loss']:.6f} "
+                     f"| {row['wall_s'] / base:.2f}x |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mesh", default="2x2", help="nodes x ranks per node")
@@ -231,10 +284,29 @@ def main(argv=None) -> int:
     parser.add_argument("--inter-mbps", type=float, help="the emulated inter-node rate")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", action="store_true",
+                        help="a training step of a torchtitan-style Llama per ring= instead of the op alone")
+    parser.add_argument("--dim", type=int, default=512, help="--model: hidden size")
+    parser.add_argument("--layers", type=int, default=4, help="--model: decoder layers")
     args = parser.parse_args(argv)
     nodes, per_node = (int(x) for x in args.mesh.lower().split("x"))
     rates = (args.intra_mbps, args.inter_mbps) if args.intra_mbps and args.inter_mbps else None
     all_rows = []
+    if args.model:
+        with WorkerGroup(nodes * per_node, run_timeout_s=6 * 3600) as workers:
+            for seq_len in args.seq_lens:
+                for heads in args.heads:
+                    heads_q, heads_kv = (int(x) for x in heads.split(":"))
+                    for dtype in args.dtypes:
+                        config = Config(nodes, per_node, seq_len, heads_q, heads_kv, args.dim // heads_q, dtype,
+                                        args.iters, ())
+                        per_rank = workers.run(_model_task, config, args.dim, args.layers, MODEL_RINGS)
+                        print(_model_table(config, per_rank, args.dim, args.layers, rates), "\n", flush=True)
+                        all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates,
+                                         "results": per_rank})
+        if args.json:
+            args.json.write_text(json.dumps(all_rows, indent=2))
+        return 0
     with WorkerGroup(nodes * per_node, run_timeout_s=6 * 3600) as workers:
         for seq_len in args.seq_lens:
             for heads in args.heads:
