@@ -274,3 +274,22 @@ def test_compile_runs_the_hybrid_exactly(workers, options, ring):
     for result in results:
         assert not errors_above(result["errors"], rtol, rtol), result["report"]
         assert len(set(result["rings"])) == 1 and result["rings"][0] in ((ring,) if isinstance(ring, str) else ring)
+
+
+def _compiled_on_3d(rank, world_size, options):
+    from burstc.testing import oracle
+    return oracle.equivalence_task(rank, world_size, zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss,
+                                   dict(backend="aot_eager", seq_dims=("inter", "intra"), **options),
+                                   mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "inter", "intra"))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_3d_mesh_shards_over_its_two_named_sequence_dims(workers):
+    """("dp", "inter", "intra") with seq_dims=("inter", "intra"): each data-parallel replica a 2 x 2 double ring."""
+    from burstc.testing.oracle import errors_above
+
+    rtol = tolerance(torch.float32, "sharded_param_grad").rtol
+    for result in workers.get(8).run(_compiled_on_3d, {}):
+        assert not errors_above(result["errors"], rtol, rtol), result["report"]
+        assert set(result["rings"]) == {"double 2x2"} and "sharded over 4 ranks" in result["report"]
