@@ -153,6 +153,23 @@ class Report:
         reason = refusals[0].reason if refusals else "nothing to shard in this graph"
         return f"graph {graph_id}: replicated on {self.world_size} ranks{fused_note}: {reason}"
 
+    @property
+    def memory(self):
+        """Predicted per-rank memory of one training step (:class:`burstc.memory.MemoryEstimate`: ``.peak``,
+        ``.breakdown()``), from the forward and backward graphs; a ``RuntimeError`` before a backward ran."""
+        from burstc.memory import predict_step
+
+        return predict_step(self)
+
+    def memory_line(self) -> str | None:
+        """The report's memory line, ``None`` before any backward graph exists."""
+        if not any("backward" in g.graphs for g in self.graph_records):
+            return None
+        try:
+            return self.memory.summary()
+        except Exception as err:  # the report must print whatever the model cannot handle
+            return f"memory: not predicted ({type(err).__name__}: {err})"
+
     def rewrites_of(self, kind: str) -> list[RewriteRecord]:
         return [r for r in self.rewrites if r.kind == kind]
 
@@ -180,6 +197,9 @@ class Report:
             stages = ", ".join(f"{k} ({_count_ops(g)} ops)" for k, g in record.graphs.items() if k in STAGES)
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
+        memory = self.memory_line()
+        if memory is not None:
+            lines.append(memory)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
