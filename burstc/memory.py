@@ -473,7 +473,7 @@ def _layer_of(node: fx.Node | None) -> str:
     return ""
 
 
-def _resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
+def resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
     """(parameter bytes, buffer bytes) among the Dynamo graph's inputs, each tensor once."""
     from burstc.passes.graph_utils import placeholder_example, placeholder_kind
 
@@ -557,9 +557,80 @@ def predict_step(report, optimizer: str | None = None) -> MemoryEstimate:
                            "backward) of the compiled model first")
     parameters = buffers = 0
     for g in records:
-        p, b = _resident_bytes(g.graphs.get("captured"))
+        p, b = resident_bytes(g.graphs.get("captured"))
         parameters, buffers = parameters + p, buffers + b
     graphs = [(g.graphs["forward"], g.graphs["backward"], g.sharding.world_size if g.sharding is not None else 1)
               for g in records]
     return predict_graphs(graphs, backend=report.config.backend, parameters=parameters, buffers=buffers,
                           optimizer=optimizer)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory_budget=: the checkpoint mode whose predicted peak fits
+
+BUDGET_MODES = ("none", "selective", "layers")
+"""Checkpoint modes in the order of their recomputation cost (none recomputes nothing, selective a layer's
+projections and MLP, layers the ring attention too): the budget takes the first that fits."""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What ``memory_budget=`` decided for one graph: the mode that runs, each mode's predicted peak per rank
+    (:attr:`MemoryEstimate.peak`), and whether the chosen one fits."""
+
+    graph_id: int
+    budget: int
+    mode: str
+    predicted: dict
+    fits: bool
+
+    def summary(self) -> str:
+        from burstc.report import _fmt_bytes
+
+        modes = ", ".join(f"{m} {_fmt_bytes(b)}" for m, b in self.predicted.items())
+        if self.fits:
+            return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: checkpoint="
+                    f"{self.mode!r} chosen, predicted peak {_fmt_bytes(self.predicted[self.mode])} (predicted: {modes})")
+        return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: no checkpoint mode fits "
+                f"(predicted: {modes}); running checkpoint={self.mode!r}, the least memory")
+
+
+def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
+    """A copy of the joint graph tagged for ``mode``, from the tags of the ``"selective"`` planning (burstc's
+    layers and the user's regions recompute all but the ring attention): ``"layers"`` recomputes the ring
+    too, ``"none"`` drops burstc's regions (the user's recompute their ring, as without burstc's option)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from burstc.passes.checkpoint_layers import BURSTC_LAYER
+    from burstc.report import snapshot_graph
+
+    copy = snapshot_graph(joint)
+    for node in copy.graph.nodes:
+        node.meta = dict(node.meta)  # snapshot_graph shares meta: retag this copy only
+        if "recompute" not in node.meta:
+            continue
+        ours = BURSTC_LAYER in (node.meta.get("custom") or {})
+        if mode == "none" and ours:
+            node.meta.pop("recompute")
+            node.meta.pop("ac_graph_id", None)
+        elif mode != "selective" and node.target is torch.ops.burstc.ring_attention_forward.default:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    return copy
+
+
+def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
+                            backend: str, world_size: int, parameters: int, buffers: int, graph_id: int):
+    """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
+    :data:`BUDGET_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
+    return the first mode's (forward, backward) that fits, else the least memory's; and the
+    :class:`MemoryPlan`."""
+    partitions, predicted = {}, {}
+    for mode in BUDGET_MODES:
+        partitions[mode] = partition(_mode_tags(joint, mode), joint_inputs, **partition_kwargs)
+        estimate = predict_graphs([(*partitions[mode], world_size)], backend=backend, parameters=parameters,
+                                  buffers=buffers)
+        predicted[mode] = estimate.peak
+        if estimate.peak <= budget:
+            return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=True)
+    mode = min(BUDGET_MODES, key=lambda m: (predicted[m], BUDGET_MODES.index(m)))
+    return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=False)

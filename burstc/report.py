@@ -95,6 +95,8 @@ class Report:
         self.passes: list[PassRun] = []
         self.graph_records: list[GraphRecord] = []
         self.notes: list[str] = []
+        self.memory_plans: list = []
+        """One :class:`burstc.memory.MemoryPlan` per graph compiled under ``memory_budget=``."""
 
     # -- filled in by the backend -------------------------------------------------------------
     def new_graph(self) -> GraphRecord:
@@ -102,8 +104,17 @@ class Report:
         self.graph_records.append(record)
         return record
 
+    def add_memory_plan(self, plan) -> None:
+        """Record what ``memory_budget=`` chose; warn when no checkpoint mode fits the budget."""
+        self.memory_plans = [p for p in self.memory_plans if p.graph_id != plan.graph_id] + [plan]
+        if not plan.fits:
+            import warnings
+
+            warnings.warn(f"burstc: {plan.summary()}", stacklevel=2)
+
     def forget_graph(self, graph_id: int) -> None:
         """Drop what the passes recorded for ``graph_id`` (the backend reruns them on it)."""
+        self.memory_plans = [p for p in self.memory_plans if p.graph_id != graph_id]
         self.rewrites = [r for r in self.rewrites if r.graph_id != graph_id]
         self.skipped = [s for s in self.skipped if s.graph_id != graph_id]
         self.passes = [p for p in self.passes if p.graph_id != graph_id]
@@ -197,6 +208,7 @@ class Report:
             stages = ", ".join(f"{k} ({_count_ops(g)} ops)" for k, g in record.graphs.items() if k in STAGES)
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
+        lines.extend(plan.summary() for plan in self.memory_plans)
         memory = self.memory_line()
         if memory is not None:
             lines.append(memory)
