@@ -77,7 +77,10 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
     run_forward = _stage_runner("forward", config=config, context=context, record=record)
     run_backward = _stage_runner("backward", config=config, context=context, record=record)
     partitioner = partitioner_class()()
-    if config.memory_budget is not None and context.facts.sharding is not None:
+    if config.memory_budget is not None and context.facts.sharding is None:
+        context.report.notes.append(f"graph {record.graph_id}: memory_budget not planned: the graph is not sharded "
+                                    "(burstc's checkpoint modes apply to sharded graphs only)")
+    elif config.memory_budget is not None:
         from burstc.memory import resident_bytes
 
         parameters, buffers = resident_bytes(record.graphs.get("captured"))
