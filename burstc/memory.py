@@ -192,7 +192,7 @@ class GraphReplay:
     peak_node: str = ""
     peak_op_buffers: int = 0
     end_bytes: int = 0
-    # storages live at the peak, by the node that made them: {node name: bytes}
+    # storages live at the peak: {storage key: bytes}
     live_at_peak: dict = dataclasses.field(default_factory=dict)
 
 
@@ -255,6 +255,10 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
             for key in keys[node]:
                 last_use[key] = len(order)
     live = {key: storages.bytes[key] for arg in inputs.values() for key in arg if key in storages.counted}
+    live_bytes = sum(live.values())
+    frees: dict[int, list] = {}  # node index -> keys whose last use it is
+    for key, index in last_use.items():
+        frees.setdefault(index, []).append(key)
     result = GraphReplay()
     made: set[tuple] = set(live)
     for index, node in enumerate(order):
@@ -263,14 +267,14 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
                 made.add(key)
                 if key in storages.counted:
                     live[key] = storages.bytes[key]
+                    live_bytes += live[key]
         extra = op_buffers(node) if op_buffers is not None and node.op == "call_function" else 0
-        total = sum(live.values()) + extra
-        if total > result.peak_bytes:
-            result.peak_bytes, result.peak_node, result.peak_op_buffers = total, node.name, extra
+        if live_bytes + extra > result.peak_bytes:
+            result.peak_bytes, result.peak_node, result.peak_op_buffers = live_bytes + extra, node.name, extra
             result.live_at_peak = dict(live)
-        for key in [k for k in live if last_use.get(k, -1) <= index]:
-            del live[key]
-    result.end_bytes = sum(live.values())
+        for key in frees.get(index, ()):
+            live_bytes -= live.pop(key, 0)
+    result.end_bytes = live_bytes
     return result, returned
 
 

@@ -214,3 +214,22 @@ def test_predictions_within_15_percent_and_peak_monotone_in_budget(workers):
         _check_choices(chosen, {mode: peak for mode, (peak, _, _) in modes.items()})
         measured = [c[5] for c in chosen]
         assert all(later <= earlier * 1.02 for earlier, later in zip(measured, measured[1:])), chosen
+
+
+def test_replay_frees_at_last_use_and_views_share_storage():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from burstc.memory import _Storages, replay
+
+    def f(x):
+        a = x * 2                    # 4 KiB, used by the view's users
+        b = a.view(32, 32)           # no allocation
+        c = b + 1                    # 4 KiB: a and c live together, the peak
+        d = c.sum()                  # 4 B; a and c freed after their last uses
+        return d * x.sum()
+
+    gm = make_fx(f)(torch.randn(1024))
+    result, returned = replay(gm, _Storages(), "f")
+    assert result.peak_bytes == 2 * 4096 and result.peak_node.startswith("add")
+    assert result.end_bytes == 4  # only the output survives
+    assert len(returned) == 1
