@@ -24,9 +24,10 @@ K/V (or Q, dO, LSE, delta) shards, its fp32 accumulators and partial-gradient bu
 (:mod:`burstc.kernels.linear_cross_entropy`).
 
 Not modelled: the optimizer step's own temporaries (its state is counted when an optimizer is given), the
-allocator's rounding and fragmentation, Inductor's buffer reuse and fusions (Inductor frees no later and
-allocates no more than the replay of the unfused graph, so the prediction is an upper bound there), and
-memory outside torch tensors (on CPU, ``VmHWM`` counts every byte the process touches).
+allocator's rounding and fragmentation, memory outside torch tensors (on CPU, ``VmHWM`` counts every byte the
+process touches), and Inductor's schedule: the replay follows the FX graph's order (what ``aot_eager`` runs);
+Inductor's generated backward defers some weight-gradient matmuls and keeps what they read alive longer,
+so under Inductor checkpointed modes measured ~1.5x the predicted step memory (README, "Memory").
 """
 from __future__ import annotations
 
