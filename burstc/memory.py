@@ -476,7 +476,9 @@ class MemoryEstimate:
                 + (f", optimizer state {_fmt_bytes(self.optimizer_state)}" if self.optimizer_state else "")
                 + f") + step {_fmt_bytes(self.step_peak)} at {self.peak_phase} `{self.peak_node}` (saved activations "
                 f"{_fmt_bytes(self.saved_activations)}, gradients {_fmt_bytes(self.gradients)}, op buffers "
-                f"{_fmt_bytes(self.op_buffers)}, temporaries {_fmt_bytes(self.temporaries)})")
+                f"{_fmt_bytes(self.op_buffers)}, temporaries {_fmt_bytes(self.temporaries)})"
+                + ("; replayed in the FX graph's order: Inductor's schedule can hold more" if self.backend == "inductor"
+                   else ""))
 
 
 _LAYER = re.compile(r"^(?P<path>.*?\D)\.?(?:\[')?(?P<index>\d+)(?:'\])?$")

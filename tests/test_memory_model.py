@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import burstc
+import burstc.memory
 from burstc.memory import BUDGET_MODES, exact_cpu_peaks, measure_peak
 from burstc.testing import zoo
 
@@ -76,7 +77,11 @@ def saved_bytes_task(rank, world_size, options):
         model.zero_grad(set_to_none=True)
         saved, loss_bytes = _saved_storages(cmodel, model, inputs)
         report = burstc.report(cmodel)
-        found[label] = (saved, report.memory.saved_total, loss_bytes, str(report), report.memory.peak)
+        estimate = report.memory
+        with_adamw = burstc.memory.predict_step(report, optimizer="adamw")
+        parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        found[label] = (saved, estimate.saved_total, loss_bytes, str(report), estimate.peak,
+                        (estimate.parameters, parameter_bytes, with_adamw.peak - estimate.peak))
     return found
 
 
@@ -91,6 +96,15 @@ def test_saved_activations_match_the_runtime_on_one_device():
     found = saved_bytes_task(0, 1, {"one device": {}})
     _assert_saved_match(found)
     assert "memory (predicted per rank, one training step): peak" in found["one device"][3]
+    counted, parameter_bytes, adamw_state = found["one device"][5]
+    assert counted == parameter_bytes and adamw_state == 2 * parameter_bytes  # exp_avg and exp_avg_sq
+
+
+def test_unknown_optimizer_is_an_error():
+    from burstc.memory import predict_graphs
+
+    with pytest.raises(ValueError, match="optimizer"):
+        predict_graphs([], backend="aot_eager", optimizer="lion")
 
 
 @pytest.fixture(scope="module")
