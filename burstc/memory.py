@@ -613,8 +613,9 @@ class MemoryPlan:
 
         modes = ", ".join(f"{m} {_fmt_bytes(b)}" for m, b in self.predicted.items())
         if self.fits:
+            chosen = _fmt_bytes(self.predicted[self.mode])
             return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: checkpoint="
-                    f"{self.mode!r} chosen, predicted peak {_fmt_bytes(self.predicted[self.mode])} (predicted: {modes})")
+                    f"{self.mode!r} chosen, predicted peak {chosen} (predicted: {modes})")
         return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: no checkpoint mode fits "
                 f"(predicted: {modes}); running checkpoint={self.mode!r}, the least memory")
 

@@ -112,7 +112,8 @@ def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 n.meta["custom"] = {**(n.meta.get("custom") or {}), BURSTC_LAYER: region.index}
         added.append(region)
         layer = _ROOT.sub("", f"{prefix}.{index}")
-        context.rewrite(KIND, nodes[-1], {"layer": layer, "mode": "memory_budget" if planning else mode, "ops": len(nodes)}, module=layer)
+        details = {"layer": layer, "mode": "memory_budget" if planning else mode, "ops": len(nodes)}
+        context.rewrite(KIND, nodes[-1], details, module=layer)
     context.facts.checkpoint_regions = list(regions) + added
     if planning:
         context.note = (f"memory_budget={config.memory_budget}: {len(added)} layer(s) tagged, the partitioner "
