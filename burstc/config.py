@@ -90,6 +90,14 @@ class BurstConfig:
     ``"layers"`` (each decoder layer recomputed in the backward, ring attention included) or ``"selective"``
     (layers recomputed, each ring attention's output and LSE kept: the recomputation never runs the ring)."""
 
+    memory_budget: int | None = None
+    """Bytes per rank that one training step may peak at (parameters, buffers, gradients, activations): on a
+    mesh burstc then picks the checkpoint mode itself, the one with the least recomputation whose predicted
+    peak fits (``"none"``, then ``"selective"``, then ``"layers"``; the prediction is
+    :mod:`burstc.memory`'s, from each mode's own forward and backward graphs), and says which in the report
+    (``report.memory_plans``).  When no mode fits, the one predicted to use the least memory runs and the
+    report and a warning say so.  It chooses ``checkpoint``, so giving both is an error."""
+
     fullgraph: bool = False
     """Passed to torch.compile."""
 
@@ -166,6 +174,12 @@ class BurstConfig:
         bucket = self.grad_bucket_bytes
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"option 'grad_bucket_bytes' must be a non-negative int, got {bucket!r}")
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise ValueError(f"option 'memory_budget' must be a positive int (bytes per rank) or None, got {budget!r}")
+        if budget is not None and self.checkpoint != "none":
+            raise ValueError(f"options 'memory_budget' and checkpoint={self.checkpoint!r} conflict: the budget picks "
+                             "the checkpoint mode itself; pass one of them")
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")

@@ -32,13 +32,26 @@ def partitioner_class() -> type:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
     class BurstPartitioner(CustomPartitionerFn):
-        """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner)."""
+        """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner).
+        With ``memory_budget=`` (``budget``: the graph's facts), the checkpoint mode that fits is chosen here
+        (:func:`burstc.memory.partition_within_budget`)."""
+
+        budget: dict | None = None
 
         def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                      ) -> tuple[fx.GraphModule, fx.GraphModule]:
             from functorch.compile import min_cut_rematerialization_partition
 
-            return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            if self.budget is None:
+                return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            from burstc.memory import partition_within_budget
+
+            facts = dict(self.budget)
+            report = facts.pop("report")
+            graphs, plan = partition_within_budget(min_cut_rematerialization_partition, joint_gm, joint_inputs,
+                                                   kwargs, **facts)
+            report.add_memory_plan(plan)
+            return graphs
 
         def uuid(self) -> Any:
             return get_hash_for_files((__file__,))
@@ -64,6 +77,16 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
     run_forward = _stage_runner("forward", config=config, context=context, record=record)
     run_backward = _stage_runner("backward", config=config, context=context, record=record)
     partitioner = partitioner_class()()
+    if config.memory_budget is not None and context.facts.sharding is None:
+        context.report.notes.append(f"graph {record.graph_id}: memory_budget not planned: the graph is not sharded "
+                                    "(burstc's checkpoint modes apply to sharded graphs only)")
+    elif config.memory_budget is not None:
+        from burstc.memory import resident_bytes
+
+        parameters, buffers = resident_bytes(record.graphs.get("captured"))
+        partitioner.budget = dict(report=context.report, budget=config.memory_budget, backend=config.backend,
+                                  world_size=context.world_size, parameters=parameters, buffers=buffers,
+                                  graph_id=record.graph_id)
     if config.backend == "aot_eager":
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd

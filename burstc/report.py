@@ -98,6 +98,8 @@ class Report:
         self.graph_records: list[GraphRecord] = []
         self.notes: list[str] = []
         self.traces: list = []
+        self.memory_plans: list = []
+        """One :class:`burstc.memory.MemoryPlan` per graph compiled under ``memory_budget=``."""
 
     # -- filled in by the backend -------------------------------------------------------------
     def new_graph(self) -> GraphRecord:
@@ -105,8 +107,17 @@ class Report:
         self.graph_records.append(record)
         return record
 
+    def add_memory_plan(self, plan) -> None:
+        """Record what ``memory_budget=`` chose; warn when no checkpoint mode fits the budget."""
+        self.memory_plans = [p for p in self.memory_plans if p.graph_id != plan.graph_id] + [plan]
+        if not plan.fits:
+            import warnings
+
+            warnings.warn(f"burstc: {plan.summary()}", stacklevel=2)
+
     def forget_graph(self, graph_id: int) -> None:
         """Drop what the passes recorded for ``graph_id`` (the backend reruns them on it)."""
+        self.memory_plans = [p for p in self.memory_plans if p.graph_id != graph_id]
         self.rewrites = [r for r in self.rewrites if r.graph_id != graph_id]
         self.skipped = [s for s in self.skipped if s.graph_id != graph_id]
         self.passes = [p for p in self.passes if p.graph_id != graph_id]
@@ -157,6 +168,23 @@ class Report:
         reason = refusals[0].reason if refusals else "nothing to shard in this graph"
         return f"graph {graph_id}: replicated on {self.world_size} ranks{fused_note}: {reason}"
 
+    @property
+    def memory(self):
+        """Predicted per-rank memory of one training step (:class:`burstc.memory.MemoryEstimate`: ``.peak``,
+        ``.breakdown()``), from the forward and backward graphs; a ``RuntimeError`` before a backward ran."""
+        from burstc.memory import predict_step
+
+        return predict_step(self)
+
+    def memory_line(self) -> str | None:
+        """The report's memory line, ``None`` before any backward graph exists."""
+        if not any("backward" in g.graphs for g in self.graph_records):
+            return None
+        try:
+            return self.memory.summary()
+        except Exception as err:  # the report must print whatever the model cannot handle
+            return f"memory: not predicted ({type(err).__name__}: {err})"
+
     def rewrites_of(self, kind: str) -> list[RewriteRecord]:
         return [r for r in self.rewrites if r.kind == kind]
 
@@ -184,6 +212,10 @@ class Report:
             stages = ", ".join(f"{k} ({_count_ops(g)} ops)" for k, g in record.graphs.items() if k in STAGES)
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
+        lines.extend(plan.summary() for plan in self.memory_plans)
+        memory = self.memory_line()
+        if memory is not None:
+            lines.append(memory)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(str(t) for t in self.traces)
         return "\n".join(lines)

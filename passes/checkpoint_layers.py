@@ -12,6 +12,10 @@ selective).
   (BurstEngine's sequence-level selective checkpointing with the whole local sequence kept).  A user's own
   checkpointed layers get the same policy unless they set a ``context_fn`` of their own.
 
+With ``memory_budget=`` the layers are tagged as for ``"selective"`` and the nodes of the regions added here
+carry ``meta["custom"][BURSTC_LAYER]``: the partitioner (:func:`burstc.memory.partition_within_budget`) then
+derives the three modes' forward and backward graphs from the one joint graph and keeps the cheapest that fits.
+
 Regions are tagged here (``node.meta[REGION]``, as ``inline_checkpoints`` tags a user's) and put into
 ``tag_activation_checkpoint`` calls by ``outline_checkpoints``; the selective policy is the body's
 ``_checkpoint_context_fn``, which AOTAutograd's partitioner reads (torch's selective activation checkpointing).
@@ -28,6 +32,7 @@ import torch.fx as fx
 from burstc.passes.inline_checkpoints import REGION, Region
 
 KIND = "checkpoint_layers"
+BURSTC_LAYER = "burstc_checkpoint_layer"  # meta["custom"] key of a node in a region this pass added
 _ROOT = re.compile(r"^[LG]\['[^']*'\](\[\d+\])*\.?")  # Dynamo's name for the traced root module: L['self'].
 _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.|\[')?(?P<index>\d+)(?:'\])?$")
 
@@ -73,7 +78,8 @@ def _repeated_module_lists(gm: fx.GraphModule) -> set[str]:
 
 
 def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
-    mode = config.checkpoint
+    planning = config.memory_budget is not None
+    mode = "selective" if planning else config.checkpoint
     regions = context.facts.checkpoint_regions
     if mode == "none":
         context.note = "checkpoint='none': layers are not checkpointed by burstc"
@@ -102,11 +108,17 @@ def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         region = Region(len(regions) + len(added), {"use_reentrant": False}, dict(body_meta))
         for n in nodes:
             n.meta[REGION] = region.index
+            if planning:  # the partitioner may drop this region again (meta["custom"] reaches the joint graph)
+                n.meta["custom"] = {**(n.meta.get("custom") or {}), BURSTC_LAYER: region.index}
         added.append(region)
         layer = _ROOT.sub("", f"{prefix}.{index}")
-        context.rewrite(KIND, nodes[-1], {"layer": layer, "mode": mode, "ops": len(nodes)}, module=layer)
+        details = {"layer": layer, "mode": "memory_budget" if planning else mode, "ops": len(nodes)}
+        context.rewrite(KIND, nodes[-1], details, module=layer)
     context.facts.checkpoint_regions = list(regions) + added
-    if not added and not made_selective:
+    if planning:
+        context.note = (f"memory_budget={config.memory_budget}: {len(added)} layer(s) tagged, the partitioner "
+                        "picks the checkpoint mode")
+    elif not added and not made_selective:
         context.note = f"checkpoint={mode!r}: no repeated layer holding a ring attention found"
     else:
         context.note = (f"checkpoint={mode!r}: {len(added)} layer(s) tagged for recomputation"

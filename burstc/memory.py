@@ -1,0 +1,661 @@
+"""Per-rank peak memory of a training step: a measurement helper and a model that predicts it.
+
+Measurement (:func:`measure_peak`): the real peak of a region of code, per process (= per rank).  On CPU the
+kernel's high-water mark of resident memory: ``/proc/self/clear_refs`` ("5") resets ``VmHWM`` to the current
+``VmRSS`` at entry (after ``malloc_trim``, so memory the allocator merely cached is not in the baseline) and
+``VmHWM`` is read at exit; on CUDA the caching allocator's ``max_memory_allocated`` after
+``reset_peak_memory_stats``.  Either way the result is the bytes above what was resident at entry.  On CPU,
+:func:`exact_cpu_peaks` (or ``MALLOC_MMAP_THRESHOLD_=65536``) makes the resident set follow the live tensors.
+
+Model (:func:`predict_step`): the peak of one forward + backward of a compiled graph, from the AOT forward
+and backward graphs burstc keeps in the report.  Every value of the two graphs has its shape and dtype in
+``node.meta["val"]``, so the model replays both graphs in order and keeps the live bytes: a value is
+allocated where it is made (views and ``getitem``s share their base's storage), freed after its last use, and
+what the forward returns for the backward (the saved activations) stays live until the backward has used it
+-- until the backward's end under ``aot_eager`` (its boxed call holds its argument list), at the last use
+under Inductor (its boxed call clears the list).  The backward's outputs are the parameter gradients, kept.
+This covers any model: parameters, gradients, activations per layer (their sizes are whatever B, S/P,
+hidden, heads, KV heads, head dim, intermediate size and dtype make them), and what each checkpoint mode
+saves and recomputes (``checkpoint="layers"`` recomputes a layer inside the backward graph: the replay sees
+its activations come and go).  What no graph shows are the buffers inside burstc's opaque ops; hand formulas
+add them as a transient at the op's node (:data:`OP_BUFFERS`): the ring attention's double-buffered arriving
+K/V (or Q, dO, LSE, delta) shards, its fp32 accumulators and partial-gradient buffers
+(:mod:`burstc.ops.ring_loops`), and the fused LM-head loss's chunk of logits
+(:mod:`burstc.kernels.linear_cross_entropy`).
+
+Not modelled: the optimizer step's own temporaries (its state is counted when an optimizer is given), the
+allocator's rounding and fragmentation, memory outside torch tensors (on CPU, ``VmHWM`` counts every byte the
+process touches), and Inductor's schedule: the replay follows the FX graph's order (what ``aot_eager`` runs);
+Inductor's generated backward defers some weight-gradient matmuls and keeps what they read alive longer,
+so under Inductor checkpointed modes measured ~1.5x the predicted step memory (README, "Memory").
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import operator
+import re
+from typing import Iterator
+
+import torch
+import torch.fx as fx
+
+# --------------------------------------------------------------------------------------------------------------
+# measurement
+
+
+@dataclasses.dataclass
+class PeakMemory:
+    """What :func:`measure_peak` saw: ``extra_bytes`` above what was resident at entry, the peak itself
+    (``peak_bytes``: the process's ``VmHWM`` on CPU, the allocated bytes on CUDA) and the baseline."""
+
+    device: str
+    method: str
+    baseline_bytes: int = 0
+    peak_bytes: int = 0
+
+    @property
+    def extra_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"burstc.memory: /proc/self/status has no {field} line")
+
+
+def _release_cached_heap() -> None:
+    """Hand the heap memory glibc keeps after ``free`` back to the kernel, so that the baseline is what is
+    in use (no-op where glibc is not the C library)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+def exact_cpu_peaks(threshold_bytes: int = 64 * 2**10) -> bool:
+    """From now on in this process, glibc gives every allocation above ``threshold_bytes`` its own mapping and
+    unmaps it when freed, so the resident set (and ``VmHWM``) follows the live tensors.  By default glibc
+    raises that threshold as blocks are freed (up to 32 MiB) and keeps freed blocks below it in its heap,
+    so a step's ``VmHWM`` also counts cached free memory: the same step measured 126-153 MiB where its
+    tensors need ~110 MiB (with this: 110-111).  Costs a page fault per first touch of a large tensor.
+    Same as starting the process with ``MALLOC_MMAP_THRESHOLD_=65536``.  False where glibc is absent."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    except OSError:
+        mallopt = None
+    m_mmap_threshold = -3  # <malloc.h>
+    return bool(mallopt is not None and mallopt(m_mmap_threshold, int(threshold_bytes)))
+
+
+def _reset_cpu_high_water_mark() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size (VmHWM) to the current one
+    except OSError as err:
+        raise RuntimeError(f"burstc.memory.measure_peak: cannot reset the peak resident memory "
+                           f"(/proc/self/clear_refs: {err}); CPU measurement needs Linux procfs") from err
+
+
+@contextlib.contextmanager
+def measure_peak(device: torch.device | str | None = None) -> Iterator[PeakMemory]:
+    """``with measure_peak() as peak: step()`` then ``peak.extra_bytes``: the peak memory of the region above
+    what was resident at entry, in this process (one rank).  ``device``: ``"cpu"`` (default when CUDA is not
+    available) or a CUDA device (default ``torch.cuda.current_device()`` when available)."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = PeakMemory(str(device), "cuda.max_memory_allocated", torch.cuda.memory_allocated(device))
+        try:
+            yield result
+        finally:
+            torch.cuda.synchronize(device)
+            result.peak_bytes = torch.cuda.max_memory_allocated(device)
+        return
+    if device.type != "cpu":
+        raise ValueError(f"burstc.memory.measure_peak: unsupported device {device}")
+    _release_cached_heap()
+    _reset_cpu_high_water_mark()
+    result = PeakMemory("cpu", "VmHWM", _proc_status_bytes("VmRSS"))
+    try:
+        yield result
+    finally:
+        result.peak_bytes = _proc_status_bytes("VmHWM")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the graph replay
+
+ACC_BYTES = 4  # fp32: the ring's accumulators and partial gradients, the fused loss's per-token buffers
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return t.numel() * t.element_size()
+
+
+# ops whose result is (a view of) an input's storage though their schema does not say so
+_ALIASING_TARGETS = {"aten._unsafe_view.default", "_c10d_functional.wait_tensor.default"}
+
+
+def _aliases_first_input(node: fx.Node) -> bool:
+    """Whether ``node``'s outputs share the storage of its first tensor argument (views, in-place ops)."""
+    target = node.target
+    if str(target) in _ALIASING_TARGETS:
+        return True
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _first_tensor_arg(node: fx.Node) -> fx.Node | None:
+    for a in node.args:
+        if isinstance(a, fx.Node) and _tensors(a.meta.get("val")):
+            return a
+    return None
+
+
+def bound_args(node: fx.Node) -> dict:
+    """``node``'s arguments by schema name (an op overload's positional and keyword arguments)."""
+    schema = node.target._schema
+    bound = {arg.name: (node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value))
+             for i, arg in enumerate(schema.arguments)}
+    return {k: (v.meta.get("val") if isinstance(v, fx.Node) else v) for k, v in bound.items()}
+
+
+@dataclasses.dataclass
+class GraphReplay:
+    """Live bytes while one graph runs, counting only the storages the step itself allocates."""
+
+    peak_bytes: int = 0
+    peak_node: str = ""
+    peak_op_buffers: int = 0
+    end_bytes: int = 0
+    # storages live at the peak: {storage key: bytes}
+    live_at_peak: dict = dataclasses.field(default_factory=dict)
+
+
+class _Storages:
+    """Storage keys across the forward and backward graphs: ``(graph tag, node name, output index)``."""
+
+    def __init__(self):
+        self.bytes: dict[tuple, int] = {}
+        self.counted: set[tuple] = set()  # allocated by the step (not the caller's parameters and inputs)
+
+
+def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[str, list] | None = None,
+           inputs_freed: bool = False, op_buffers=None) -> tuple[GraphReplay, dict[str, list]]:
+    """Replay ``gm``: -> (its :class:`GraphReplay`, {output node name: storage keys}).
+
+    ``inputs`` maps a placeholder's name to the storage keys it holds (the forward's saved values, for the
+    backward); other placeholders are the caller's (not counted).  ``inputs_freed``: a counted input is freed
+    after its last use (Inductor) instead of at the graph's end (aot_eager).  ``op_buffers(node) -> bytes``:
+    what an opaque op allocates inside, live only while it runs."""
+    inputs = inputs or {}
+    keys: dict[fx.Node, list] = {}
+    order = list(gm.graph.nodes)
+    for node in order:
+        outs = _tensors(node.meta.get("val"))
+        if node.op == "placeholder":
+            if node.name in inputs:
+                keys[node] = list(inputs[node.name])
+            else:
+                keys[node] = [(tag, node.name, i) for i in range(len(outs))]
+                for i, t in enumerate(outs):
+                    storages.bytes[keys[node][i]] = _nbytes(t)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            parent = keys.get(node.args[0], [])
+            index = node.args[1]
+            keys[node] = [parent[index]] if isinstance(index, int) and index < len(parent) else []
+        elif node.op in ("call_function", "call_method") and _aliases_first_input(node):
+            base = _first_tensor_arg(node)
+            keys[node] = keys.get(base, [])[:1] * len(outs) if base is not None else []
+        elif node.op in ("call_function", "call_method", "call_module"):
+            keys[node] = [(tag, node.name, i) for i in range(len(outs))]
+            for i, t in enumerate(outs):
+                storages.bytes[keys[node][i]] = _nbytes(t)
+                storages.counted.add(keys[node][i])
+        else:
+            keys[node] = []
+    returned: dict[str, list] = {}
+    last_use: dict[tuple, int] = {}
+    for index, node in enumerate(order):
+        for key in keys[node]:
+            last_use[key] = max(last_use.get(key, index), index)
+        for arg in node.all_input_nodes:
+            for key in keys.get(arg, []):
+                last_use[key] = max(last_use.get(key, index), index)
+        if node.op == "output":
+            for arg in node.all_input_nodes:
+                returned[arg.name] = keys.get(arg, [])
+                for key in keys.get(arg, []):
+                    last_use[key] = len(order)  # kept past the graph
+        if node.op == "placeholder" and not inputs_freed:
+            for key in keys[node]:
+                last_use[key] = len(order)
+    live = {key: storages.bytes[key] for arg in inputs.values() for key in arg if key in storages.counted}
+    live_bytes = sum(live.values())
+    frees: dict[int, list] = {}  # node index -> keys whose last use it is
+    for key, index in last_use.items():
+        frees.setdefault(index, []).append(key)
+    result = GraphReplay()
+    made: set[tuple] = set(live)
+    for index, node in enumerate(order):
+        for key in keys[node]:
+            if key not in made:
+                made.add(key)
+                if key in storages.counted:
+                    live[key] = storages.bytes[key]
+                    live_bytes += live[key]
+        extra = op_buffers(node) if op_buffers is not None and node.op == "call_function" else 0
+        if live_bytes + extra > result.peak_bytes:
+            result.peak_bytes, result.peak_node, result.peak_op_buffers = live_bytes + extra, node.name, extra
+            result.live_at_peak = dict(live)
+        for key in frees.get(index, ()):
+            live_bytes -= live.pop(key, 0)
+    result.end_bytes = live_bytes
+    return result, returned
+
+
+# --------------------------------------------------------------------------------------------------------------
+# what the graphs do not show: buffers inside burstc's opaque ops (hand formulas, live while the op runs)
+
+
+def _rows_runs(queries_travel: bool, layout: str, mask, receiver: int, sender: int, local_len: int, world_size: int):
+    from burstc.block_geometry import runs_length, travelling_rows
+
+    runs = travelling_rows(queries_travel, layout, mask.static_part, receiver, sender, local_len, world_size)
+    return runs_length(runs)
+
+
+def _arrival_bytes(queries_travel: bool, layout, mask, rank: int, local_len: int, world_size: int, row_bytes: int):
+    """The ring's arriving buffers on ``rank`` (:class:`burstc.ops.ring_loops._Arrivals`): per parity of the
+    step, a compact buffer of the rows received plus, when they are not the whole shard, the whole-shard
+    buffer they are unpacked into; and the largest compact copy of the rows sent."""
+    per_parity, sent = [0, 0], 0
+    for step in range(1, world_size):
+        received = _rows_runs(queries_travel, layout, mask, rank, (rank - step) % world_size, local_len, world_size)
+        held = received * row_bytes + (local_len * row_bytes if 0 < received < local_len else 0)
+        per_parity[step % 2] = max(per_parity[step % 2], held)
+        sends = _rows_runs(queries_travel, layout, mask, (rank + step) % world_size, rank, local_len, world_size)
+        sent = max(sent, sends * row_bytes if 0 < sends < local_len else 0)
+    return sum(per_parity) + sent
+
+
+def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool | None):
+    """(query rows, key rows) of the largest block ``rank`` computes after step 0 (both 0 on one rank)."""
+    from burstc.block_geometry import blocks
+
+    best = (0, 0)
+    for step in range(1, world_size):
+        other = (rank - step) % world_size
+        q_owner, kv_owner = (other, rank) if queries_travel else (rank, other)
+        for block in blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size):
+            rows = (block.q_stop - block.q_start, block.kv_stop - block.kv_start)
+            best = max(best, rows, key=lambda r: r[0] + r[1])
+    return best
+
+
+def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> int:
+    """Bytes :func:`burstc.ops.ring_loops.ring_forward` holds beyond its outputs, on its busiest rank: copies of
+    non-contiguous K/V, the two arriving K/V sets, the fp32 output accumulator (when the output is not fp32),
+    and one block's output with the merge's two fp32 temporaries (and fp32 copies of low-precision inputs)."""
+    from burstc.attention_ir import MaskSpec
+
+    spec = MaskSpec.decode(mask)
+    batch, heads_q, local_len, head_dim = q.shape
+    heads_kv, elem = k.shape[1], q.element_size()
+    kv_row = 2 * batch * heads_kv * head_dim * elem
+    home = 0 if k.is_contiguous() and v.is_contiguous() else local_len * kv_row
+    accumulator = batch * heads_q * local_len * head_dim * ACC_BYTES if elem != ACC_BYTES else 0
+    worst = 0
+    for rank in range(world_size):
+        q_rows, kv_rows = _largest_block_rows(layout, spec, local_len, world_size, rank, False)
+        block = 3 * batch * heads_q * q_rows * head_dim * ACC_BYTES
+        if elem != ACC_BYTES:  # the CPU flash kernel runs low-precision blocks in fp32
+            block += batch * (heads_q * q_rows + 2 * heads_kv * kv_rows) * head_dim * ACC_BYTES
+        arrivals = _arrival_bytes(False, layout, spec, rank, local_len, world_size, kv_row)
+        worst = max(worst, home + arrivals + accumulator + block)
+    return worst
+
+
+def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, world_size: int) -> int:
+    """Bytes :func:`burstc.ops.ring_loops.ring_backward` holds beyond its outputs, on its busiest rank: the
+    fp32 gradient accumulators (when the inputs are not fp32), delta (``burst`` plan), copies of
+    non-contiguous inputs, the two arriving sets of the travelling side, up to two fp32 partial gradients of
+    visitors and the buffer of own gradients returning, and one block's gradients."""
+    from burstc.attention_ir import MaskSpec
+    from burstc.ops.ring_attention import resolve_plan
+
+    spec = MaskSpec.decode(mask)
+    batch, heads_q, local_len, head_dim = q.shape
+    heads_kv, elem = k.shape[1], q.element_size()
+    queries_travel = resolve_plan(plan, q, k, world_size, layout, spec) == "burst"
+    q_bytes = batch * heads_q * local_len * head_dim * elem
+    kv_bytes = batch * heads_kv * local_len * head_dim * elem
+    rows_bhs = batch * heads_q * local_len * ACC_BYTES
+    total = 0 if elem == ACC_BYTES else (q_bytes + 2 * kv_bytes) * ACC_BYTES // elem
+    total += 0 if grad_out.is_contiguous() else q_bytes
+    if queries_travel:  # delta = rowsum(out * dO) travels, its product is a transient
+        total += rows_bhs + q_bytes * ACC_BYTES // elem
+        total += 0 if q.is_contiguous() else q_bytes
+        row = batch * heads_q * (2 * head_dim * elem + 2 * ACC_BYTES)
+        grad_row = batch * heads_q * head_dim * ACC_BYTES
+    else:
+        total += 0 if k.is_contiguous() and v.is_contiguous() else 2 * kv_bytes
+        row = 2 * batch * heads_kv * head_dim * elem
+        grad_row = 2 * batch * heads_kv * head_dim * ACC_BYTES
+    worst = 0
+    for rank in range(world_size):
+        arrivals = _arrival_bytes(queries_travel, layout, spec, rank, local_len, world_size, row)
+        partials = min(2, world_size - 1) * local_len * grad_row
+        returning = max((_rows_runs(queries_travel, layout, spec, (rank + s) % world_size, rank, local_len,
+                                    world_size) for s in range(1, world_size)), default=0) * grad_row
+        q_rows, kv_rows = _largest_block_rows(layout, spec, local_len, world_size, rank, queries_travel)
+        q_rows, kv_rows = max(q_rows, local_len), max(kv_rows, local_len)  # step 0's diagonal block is whole
+        block = batch * (heads_q * q_rows + 2 * heads_kv * kv_rows) * head_dim * elem
+        worst = max(worst, arrivals + partials + returning + block)
+    return total + worst
+
+
+def fused_loss_buffers(hidden, weight, chunk_size: int, with_grads: bool) -> int:
+    """Bytes the chunked fused LM-head loss (:mod:`burstc.kernels.linear_cross_entropy`) holds beyond its outputs:
+    one chunk of logits ``[C, V]``, the per-token loss and lse vectors, and in low precision the fp32 softmax
+    block, the weight-gradient partial and staging buffers and the fp32 accumulator's half outside the
+    gradient."""
+    from burstc.kernels import linear_cross_entropy as kernel
+
+    hidden_size = hidden.shape[-1]
+    tokens = hidden.numel() // max(hidden_size, 1)
+    vocab, elem = weight.shape[0], hidden.element_size()
+    chunk = max(1, min(int(chunk_size), tokens))
+    total = chunk * vocab * elem + 2 * tokens * ACC_BYTES
+    if elem < ACC_BYTES:
+        total += kernel._SOFTMAX_BLOCK_ROWS * vocab * ACC_BYTES
+        if with_grads:
+            total += kernel._WEIGHT_GRAD_PARTIAL_BYTES + kernel._WEIGHT_GRAD_STAGING_BYTES
+            total += vocab * hidden_size * (ACC_BYTES - elem)
+    return total
+
+
+def op_buffers(world_size: int):
+    """``node -> bytes`` for :func:`replay`: :func:`ring_forward_buffers`, :func:`ring_backward_buffers` and
+    :func:`fused_loss_buffers` at burstc's opaque ops, 0 elsewhere."""
+
+    def buffers(node: fx.Node) -> int:
+        name = str(node.target)
+        if not name.startswith("burstc."):
+            return 0
+        args = bound_args(node)
+        if name == "burstc.ring_attention_forward.default":
+            return ring_forward_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"], world_size)
+        if name == "burstc.ring_attention_backward.default":
+            return ring_backward_buffers(args["grad_out"], args["q"], args["k"], args["v"], args["layout"],
+                                         args["mask"], args["plan"], world_size)
+        if name.startswith("burstc.linear_cross_entropy_"):
+            return fused_loss_buffers(args["hidden"], args["weight"], args["chunk_size"],
+                                      with_grads="with_grads" in name or "backward" in name)
+        return 0
+
+    return buffers
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one training step
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+"""Tensors of a parameter's size an optimizer keeps per parameter (``exp_avg`` and ``exp_avg_sq`` for Adam)."""
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Predicted per-rank memory of one training step (forward + backward) of a compiled model, in bytes.
+
+    ``parameters``, ``buffers`` and ``optimizer_state`` are resident before the step; ``step_peak`` is the
+    most the step holds above them (what :func:`measure_peak` around ``loss = model(...); loss.backward()``
+    measures, with the gradients set to None before it); ``peak = parameters + buffers + optimizer_state +
+    step_peak``.  At the step's peak: ``saved_activations`` (values the forward keeps for the backward),
+    ``gradients`` (parameter gradients made so far), ``op_buffers`` (inside the op running there) and
+    ``temporaries`` (the rest).  ``saved_total``: everything the forwards save, the whole step's
+    activations; ``saved_by_layer``: that by decoder layer (module path), ``""`` for what is outside layers."""
+
+    parameters: int = 0
+    buffers: int = 0
+    optimizer_state: int = 0
+    step_peak: int = 0
+    peak_phase: str = ""
+    peak_node: str = ""
+    saved_activations: int = 0
+    gradients: int = 0
+    op_buffers: int = 0
+    temporaries: int = 0
+    saved_total: int = 0
+    saved_by_layer: dict = dataclasses.field(default_factory=dict)
+    backend: str = ""
+
+    @property
+    def resident(self) -> int:
+        return self.parameters + self.buffers + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.step_peak
+
+    def breakdown(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "buffers": self.buffers, "optimizer_state": self.optimizer_state,
+                "saved_activations": self.saved_activations, "gradients": self.gradients,
+                "op_buffers": self.op_buffers, "temporaries": self.temporaries, "total": self.peak}
+
+    def summary(self) -> str:
+        from burstc.report import _fmt_bytes
+
+        return (f"memory (predicted per rank, one training step): peak {_fmt_bytes(self.peak)} = resident "
+                f"{_fmt_bytes(self.resident)} (parameters {_fmt_bytes(self.parameters)}"
+                + (f", optimizer state {_fmt_bytes(self.optimizer_state)}" if self.optimizer_state else "")
+                + f") + step {_fmt_bytes(self.step_peak)} at {self.peak_phase} `{self.peak_node}` (saved activations "
+                f"{_fmt_bytes(self.saved_activations)}, gradients {_fmt_bytes(self.gradients)}, op buffers "
+                f"{_fmt_bytes(self.op_buffers)}, temporaries {_fmt_bytes(self.temporaries)})"
+                + ("; replayed in the FX graph's order: Inductor's schedule can hold more" if self.backend == "inductor"
+                   else ""))
+
+
+_LAYER = re.compile(r"^(?P<path>.*?\D)\.?(?:\[')?(?P<index>\d+)(?:'\])?$")
+
+
+def _layer_of(node: fx.Node | None) -> str:
+    """The outermost indexed module (``layers.3``) a node ran in, else ``""``."""
+    from burstc.pass_context import _clean_fqn
+
+    for path, _ in ((node.meta.get("nn_module_stack") or {}).values() if node is not None else ()):
+        clean = _clean_fqn(path)
+        parts = clean.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                return ".".join(parts[:i + 1])
+    return ""
+
+
+def resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
+    """(parameter bytes, buffer bytes) among the Dynamo graph's inputs, each tensor once."""
+    from burstc.passes.graph_utils import placeholder_example, placeholder_kind
+
+    sizes = {"parameter": 0, "buffer": 0}
+    seen = set()
+    for node in (captured.graph.nodes if captured is not None else ()):
+        if node.op != "placeholder":
+            continue
+        kind, example = placeholder_kind(node), placeholder_example(node)
+        if kind in sizes and isinstance(example, torch.Tensor) and id(example) not in seen:
+            seen.add(id(example))
+            sizes[kind] += example.numel() * example.element_size()
+    return sizes["parameter"], sizes["buffer"]
+
+
+def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *, backend: str,
+                   parameters: int = 0, buffers: int = 0, optimizer: str | None = None) -> MemoryEstimate:
+    """The step of ``records``: (forward graph, backward graph, ring world size) per Dynamo graph, run
+    forward in order and backward in reverse order."""
+    if optimizer is not None and optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
+                         f"got {optimizer!r}")
+    estimate = MemoryEstimate(parameters=parameters, buffers=buffers, backend=backend,
+                              optimizer_state=OPTIMIZER_STATES.get(optimizer, 0) * parameters)
+    storages = _Storages()
+    held: dict[tuple, int] = {}  # counted storages live between graphs: saved values, then gradients
+    saved_keys: list[set] = []
+    forward_returned: list[dict] = []
+    phases = []
+    for index, (forward, backward, world_size) in enumerate(records):
+        result, returned = replay(forward, storages, f"f{index}", op_buffers=op_buffers(world_size))
+        phases.append((f"forward of graph {index}", result, dict(held)))
+        forward_returned.append(returned)
+        keys = {k for ks in returned.values() for k in ks if k in storages.counted}
+        saved_keys.append(keys)
+        names = {n.name: n for n in forward.graph.nodes}
+        for name, ks in returned.items():
+            for k in ks:
+                if k in storages.counted and k not in held:
+                    estimate.saved_by_layer.setdefault(_layer_of(names.get(k[1])), 0)
+                    estimate.saved_by_layer[_layer_of(names.get(k[1]))] += storages.bytes[k]
+        held.update({k: storages.bytes[k] for k in keys})
+    estimate.saved_total = sum(held.values())
+    gradients: dict[tuple, int] = {}
+    for index in reversed(range(len(records))):
+        forward, backward, world_size = records[index]
+        # the backward's inputs are the forward's outputs of the same names (AOTAutograd's saved values)
+        inputs = {node.name: forward_returned[index][node.name] for node in backward.graph.nodes
+                  if node.op == "placeholder" and node.name in forward_returned[index]}
+        others = {k: b for k, b in held.items() if k not in saved_keys[index]}
+        result, outputs = replay(backward, storages, f"b{index}", inputs=inputs,
+                                 inputs_freed=backend == "inductor", op_buffers=op_buffers(world_size))
+        phases.append((f"backward of graph {index}", result, others))
+        for key in saved_keys[index]:
+            held.pop(key, None)
+        for ks in outputs.values():
+            for k in ks:
+                if k in storages.counted:
+                    gradients[k] = storages.bytes[k]
+                    held[k] = storages.bytes[k]
+    for phase, result, others in phases:
+        step = result.peak_bytes + sum(others.values())
+        if step > estimate.step_peak:
+            live = {**others, **result.live_at_peak}
+            saved = {k for ks in saved_keys for k in ks}
+            estimate.step_peak, estimate.peak_phase, estimate.peak_node = step, phase, result.peak_node
+            estimate.op_buffers = result.peak_op_buffers
+            # a gradient the fused loss computes in the forward is saved until the backward returns it
+            estimate.gradients = sum(b for k, b in live.items() if k in gradients)
+            estimate.saved_activations = sum(b for k, b in live.items() if k in saved and k not in gradients)
+            estimate.temporaries = step - estimate.op_buffers - estimate.saved_activations - estimate.gradients
+    return estimate
+
+
+def predict_step(report, optimizer: str | None = None) -> MemoryEstimate:
+    """:class:`MemoryEstimate` of one training step of the model behind ``report`` (a :class:`burstc.report.Report`
+    after a training call and its backward): every graph with a forward and a backward graph."""
+    records = [g for g in report.graph_records if "forward" in g.graphs and "backward" in g.graphs]
+    if not records:
+        raise RuntimeError("burstc.memory: no graph with a backward yet; run one training step (forward and "
+                           "backward) of the compiled model first")
+    parameters = buffers = 0
+    for g in records:
+        p, b = resident_bytes(g.graphs.get("captured"))
+        parameters, buffers = parameters + p, buffers + b
+    graphs = [(g.graphs["forward"], g.graphs["backward"], g.sharding.world_size if g.sharding is not None else 1)
+              for g in records]
+    return predict_graphs(graphs, backend=report.config.backend, parameters=parameters, buffers=buffers,
+                          optimizer=optimizer)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory_budget=: the checkpoint mode whose predicted peak fits
+
+BUDGET_MODES = ("none", "selective", "layers")
+"""Checkpoint modes in the order of their recomputation cost (none recomputes nothing, selective a layer's
+projections and MLP, layers the ring attention too): the budget takes the first that fits."""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """What ``memory_budget=`` decided for one graph: the mode that runs, each mode's predicted peak per rank
+    (:attr:`MemoryEstimate.peak`), and whether the chosen one fits."""
+
+    graph_id: int
+    budget: int
+    mode: str
+    predicted: dict
+    fits: bool
+
+    def summary(self) -> str:
+        from burstc.report import _fmt_bytes
+
+        modes = ", ".join(f"{m} {_fmt_bytes(b)}" for m, b in self.predicted.items())
+        if self.fits:
+            chosen = _fmt_bytes(self.predicted[self.mode])
+            return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: checkpoint="
+                    f"{self.mode!r} chosen, predicted peak {chosen} (predicted: {modes})")
+        return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: no checkpoint mode fits "
+                f"(predicted: {modes}); running checkpoint={self.mode!r}, the least memory")
+
+
+def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
+    """A copy of the joint graph tagged for ``mode``, from the tags of the ``"selective"`` planning (burstc's
+    layers and the user's regions recompute all but the ring attention): ``"layers"`` recomputes the ring
+    too, ``"none"`` drops burstc's regions (the user's recompute their ring, as without burstc's option)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from burstc.passes.checkpoint_layers import BURSTC_LAYER
+    from burstc.report import snapshot_graph
+
+    copy = snapshot_graph(joint)
+    for node in copy.graph.nodes:
+        node.meta = dict(node.meta)  # snapshot_graph shares meta: retag this copy only
+        if "recompute" not in node.meta:
+            continue
+        ours = BURSTC_LAYER in (node.meta.get("custom") or {})
+        if mode == "none" and ours:
+            node.meta.pop("recompute")
+            node.meta.pop("ac_graph_id", None)
+        elif mode != "selective" and node.target is torch.ops.burstc.ring_attention_forward.default:
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+    return copy
+
+
+def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
+                            backend: str, world_size: int, parameters: int, buffers: int, graph_id: int):
+    """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
+    :data:`BUDGET_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
+    return the first mode's (forward, backward) that fits, else the least memory's; and the
+    :class:`MemoryPlan`."""
+    partitions, predicted = {}, {}
+    for mode in BUDGET_MODES:
+        partitions[mode] = partition(_mode_tags(joint, mode), joint_inputs, **partition_kwargs)
+        estimate = predict_graphs([(*partitions[mode], world_size)], backend=backend, parameters=parameters,
+                                  buffers=buffers)
+        predicted[mode] = estimate.peak
+        if estimate.peak <= budget:
+            return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=True)
+    mode = min(BUDGET_MODES, key=lambda m: (predicted[m], BUDGET_MODES.index(m)))
+    return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=False)
