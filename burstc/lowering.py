@@ -14,10 +14,6 @@ still applies, keyed on the partitioner's ``uuid()`` among the rest.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import functools
-
 import torch
 import torch.fx as fx
 
@@ -25,36 +21,10 @@ from burstc._logging import dump_graph, log_event
 from burstc.report import snapshot_graph
 
 
-@functools.cache
 def partitioner_class() -> type:
-    """:class:`BurstPartitioner`, built on first use: importing Inductor (and with it Triton) is deferred
-    to the first compile, as torch.compile itself does."""
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
-
-    class BurstPartitioner(CustomPartitionerFn):
-        """Splits AOTAutograd's joint graph into forward and backward graphs (torch's min-cut partitioner).
-        With ``memory_budget=`` (``budget``: the graph's facts), the checkpoint mode that fits is chosen here
-        (:func:`burstc.memory.partition_within_budget`)."""
-
-        budget: dict | None = None
-
-        def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
-                     ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            from functorch.compile import min_cut_rematerialization_partition
-
-            if self.budget is None:
-                return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
-            from burstc.memory import partition_within_budget
-
-            facts = dict(self.budget)
-            report = facts.pop("report")
-            graphs, plan = partition_within_budget(min_cut_rematerialization_partition, joint_gm, joint_inputs,
-                                                   kwargs, **facts)
-            report.add_memory_plan(plan)
-            return graphs
-
-        def uuid(self) -> Any:
-            return get_hash_for_files((__file__,))
+    """:class:`burstc.partitioner.BurstPartitioner`, imported on first use: importing Inductor (and with it
+    Triton) is deferred to the first compile, as torch.compile itself does."""
+    from burstc.partitioner import BurstPartitioner
 
     return BurstPartitioner
 

@@ -30,8 +30,10 @@ SCRIPT = textwrap.dedent("""
     ref = model(ids, ids)
     rep = burstc.report(cmodel)
     ops = [str(n.target) for n in rep.graphs["forward"].graph.nodes if n.op == "call_function"]
+    from torch._dynamo.utils import counters
     print(json.dumps({"kinds": [r.kind for r in rep.rewrites], "loss": loss.item(), "ref": ref.item(),
-                      "fused_in_forward": any("burstc" in o for o in ops)}))
+                      "fused_in_forward": any("burstc" in o for o in ops),
+                      "fx_cache_hits": counters["inductor"]["fxgraph_cache_hit"]}))
 """)
 
 
@@ -48,3 +50,19 @@ def test_second_process_still_gets_the_rewrite(tmp_path):
         assert result["kinds"] == ["lm_head_loss"]
         assert result["fused_in_forward"]
         assert abs(result["loss"] - result["ref"]) < 1e-5
+    # Inductor's FX-graph cache (the expensive codegen) serves the second process: burstc's partitioner, in
+    # Inductor's config, pickles (a class local to a function did not, and every compile missed the cache)
+    assert results[0]["fx_cache_hits"] == 0 and results[1]["fx_cache_hits"] >= 2
+
+
+def test_partitioner_pickles_and_its_uuid_follows_the_budget():
+    import pickle
+
+    from burstc.lowering import partitioner_class
+
+    partitioner = partitioner_class()()
+    assert type(pickle.loads(pickle.dumps(partitioner))) is type(partitioner)
+    plain = partitioner.uuid()
+    partitioner.budget = {"report": object(), "budget": 2**30, "world_size": 2}
+    assert type(pickle.loads(pickle.dumps(partitioner))) is type(partitioner)  # the report is not pickled
+    assert partitioner.uuid() != plain
