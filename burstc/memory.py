@@ -400,6 +400,28 @@ def fused_loss_buffers(hidden, weight, chunk_size: int, with_grads: bool) -> int
     return total
 
 
+def two_level_ring_buffers(group_names, q, k, plan: str | None, backward: bool) -> int:
+    """What a two-level ring adds to the flat ring's buffers (an upper bound by formula, not measured): the
+    double ring (two group names) two more whole-shard sets for the lane blocks, and in the backward two fp32
+    lane-gradient accumulators; the hybrid (``["ulysses", intra, inter]``) its node-view copies and the
+    all-to-alls' send and receive buffers (each tensor it trades, twice)."""
+    batch, heads_q, local_len, head_dim = q.shape
+    heads_kv, elem = k.shape[1], q.element_size()
+    q_bytes, kv_bytes = batch * heads_q * local_len * head_dim * elem, batch * heads_kv * local_len * head_dim * elem
+    lse_bytes = batch * heads_q * local_len * ACC_BYTES
+    if len(group_names) == 2:  # the double ring
+        queries_travel = backward and plan == "burst"
+        side = 2 * q_bytes + 2 * lse_bytes if queries_travel else 2 * kv_bytes
+        grads = (q_bytes if queries_travel else 2 * kv_bytes) * ACC_BYTES // elem
+        return 2 * side + (2 * grads if backward else 0)
+    if len(group_names) == 3:  # the hybrid
+        traded = q_bytes + 2 * kv_bytes + q_bytes + lse_bytes  # q, k, v in; out, lse back
+        if backward:
+            traded += 2 * q_bytes + lse_bytes + q_bytes + 2 * kv_bytes  # grad_out, out, lse in; dq, dk, dv back
+        return 2 * traded
+    return 0
+
+
 def op_buffers(world_size: int):
     """``node -> bytes`` for :func:`replay`: :func:`ring_forward_buffers`, :func:`ring_backward_buffers` and
     :func:`fused_loss_buffers` at burstc's opaque ops, 0 elsewhere."""
@@ -410,10 +432,12 @@ def op_buffers(world_size: int):
             return 0
         args = bound_args(node)
         if name == "burstc.ring_attention_forward.default":
-            return ring_forward_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"], world_size)
+            return ring_forward_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"], world_size) \
+                + two_level_ring_buffers(args["group_names"], args["q"], args["k"], None, backward=False)
         if name == "burstc.ring_attention_backward.default":
             return ring_backward_buffers(args["grad_out"], args["q"], args["k"], args["v"], args["layout"],
-                                         args["mask"], args["plan"], world_size)
+                                         args["mask"], args["plan"], world_size) \
+                + two_level_ring_buffers(args["group_names"], args["q"], args["k"], args["plan"], backward=True)
         if name.startswith("burstc.linear_cross_entropy_"):
             return fused_loss_buffers(args["hidden"], args["weight"], args["chunk_size"],
                                       with_grads="with_grads" in name or "backward" in name)

@@ -247,3 +247,16 @@ def test_replay_frees_at_last_use_and_views_share_storage():
     assert result.peak_bytes == 2 * 4096 and result.peak_node.startswith("add")
     assert result.end_bytes == 4  # only the output survives
     assert len(returned) == 1
+
+
+def test_two_level_rings_add_their_buffers_to_the_flat_rings():
+    from burstc.memory import two_level_ring_buffers
+
+    q, k = torch.empty(1, 4, 8, 16), torch.empty(1, 2, 8, 16)
+    shard_q, shard_kv, lse = 4 * 8 * 16 * 4, 2 * 8 * 16 * 4, 4 * 8 * 4
+    assert two_level_ring_buffers(["flat"], q, k, None, backward=False) == 0
+    assert two_level_ring_buffers(["inter", "intra"], q, k, None, backward=False) == 2 * 2 * shard_kv
+    assert two_level_ring_buffers(["inter", "intra"], q, k, "burst", backward=True) == \
+        2 * (2 * shard_q + 2 * lse) + 2 * shard_q
+    assert two_level_ring_buffers(["ulysses", "intra", "inter"], q, k, None, backward=False) == \
+        2 * (2 * shard_q + 2 * shard_kv + lse)
