@@ -53,6 +53,43 @@ H100_CLUSTER = Machine(attention_flops=400e12, bandwidth=(("intra", 450e9), ("in
 CPU_AS_H100_CLUSTER = Machine(attention_flops=45e9, bandwidth=(("intra", 101e6), ("inter", 11.3e6)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A named accelerator for ``burstc explain``: its cluster as the cost model sees it (``machine``), its
+    peak dense bf16 FLOP/s (the GEMMs outside attention), and its memory."""
+
+    name: str
+    machine: Machine
+    peak_flops: float
+    memory_bytes: int
+    source: str
+
+
+# Per GPU, one direction.  attention_flops: what FlashAttention-2/3 reach on the card in bf16 (forward + backward),
+# not the peak.  Inter-node: one InfiniBand port's share per GPU.
+DEVICES = {
+    "H100": Device("H100", H100_CLUSTER, peak_flops=989e12, memory_bytes=80 * 2**30, source=(
+        "H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 900 GB/s both ways = 450 GB/s each; 400 Gb/s NDR InfiniBand "
+        "per GPU = 50 GB/s; ~400 TFLOP/s FlashAttention bf16")),
+    "A100": Device("A100", Machine(attention_flops=200e12, bandwidth=(("intra", 300e9), ("inter", 25e9))),
+                   peak_flops=312e12, memory_bytes=80 * 2**30, source=(
+        "A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink 3 600 GB/s both ways = 300 GB/s each; 200 Gb/s HDR "
+        "InfiniBand per GPU = 25 GB/s; ~200 TFLOP/s FlashAttention-2 bf16")),
+    "A800": Device("A800", Machine(attention_flops=200e12, bandwidth=(("intra", 200e9), ("inter", 12.5e9))),
+                   peak_flops=312e12, memory_bytes=80 * 2**30, source=(
+        "A800 SXM4 80GB (BurstEngine's cluster): the A100's compute; NVLink capped at 400 GB/s both ways = "
+        "200 GB/s each; 4 HDR 200 Gb/s HCAs per 8-GPU node = 12.5 GB/s per GPU; ~200 TFLOP/s FlashAttention-2")),
+}
+
+
+def device(name: str) -> Device:
+    """The :data:`DEVICES` entry ``name`` (case-insensitive), or a ``ValueError`` listing them."""
+    found = DEVICES.get(name.upper())
+    if found is None:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return found
+
+
 def default_machine(device_type: str) -> Machine:
     return H100_CLUSTER if device_type == "cuda" else CPU_AS_H100_CLUSTER
 
