@@ -116,11 +116,12 @@ class RingCost:
         return self.forward + self.backward
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1 << 16)  # a call asks every (rank, visitor) pair twice: 8192 pairs at P = 64
 def _step_entries(layout: str, mask, local_len: int, size: int, q_owner: int, kv_owner: int) -> int:
     return sum(block.score_entries for block in blocks(layout, mask, q_owner, kv_owner, local_len, size))
 
 
+@functools.lru_cache(maxsize=256)  # every layer of a model asks the same
 def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int,
                         heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, plan: str,
                         machine: Machine) -> RingCost:
