@@ -115,11 +115,12 @@ class Explanation:
         from burstc.report import _fmt_bytes, _table
 
         mesh = "x".join(map(str, self.mesh_shape))
-        layout = ("(inter, intra): nodes x ranks per node" if len(self.mesh_shape) == 2 else "(one flat ring)")
+        layout = ("(inter, intra): nodes x ranks per node" if len(self.mesh_shape) == 2
+                  else "(one flat ring; its links costed as inter-node)")
         lines = [f"burstc explain {self.factory}: {self.parameters / 1e9:.2f}B parameters "
                  f"({_fmt_bytes(self.parameter_bytes)}), batch {self.batch} x {self.seq_len:,} tokens "
                  f"on a {mesh} mesh {layout} = {self.world_size} ranks, {self.seq_len // self.world_size:,} tokens "
-                 f"per rank; device {self.device.name} ({self.device.source})",
+                 f"per rank", f"device {self.device.source}",
                  "", *[self.report.summary(g.graph_id) for g in self.report.graph_records], ""]
         rows = [[_modules([g.module for g in group]), a.ring, a.plan, a.mask,
                  ", ".join(f"{kind} {' + '.join(f'{link} {_fmt_bytes(n)}' for link, n in links.items())}"
@@ -307,7 +308,7 @@ def _step_seconds(attentions, gemm_parameters: int, parameter_bytes: int, tokens
     non-embedding parameter and token at peak: a lower bound) and the gradient all-reduce over the sequence ranks (a ring
     all-reduce on the slower link, not overlapped: an upper bound)."""
     size = math.prod(mesh_shape)
-    link = "inter" if len(mesh_shape) == 2 or size > 8 else "intra"
+    link = "inter"  # the ring over all ranks crosses nodes (a 1-D mesh's nodes are unknown: the slower class)
     parts = {
         f"ring attention x{len(attentions)} (cost model)": sum(a.seconds for a in attentions),
         "GEMMs: 6 x parameters x tokens per rank at peak FLOP/s":
