@@ -136,6 +136,9 @@ class Explanation:
         lines.append(f"predicted step time on {self.device.name} (forward + backward, not overlapped with each other):")
         for name, seconds in self.step_seconds.items():
             lines.append(f"  {name:<58} {seconds:10.3f} s")
+        if any(g.sharding is None for g in self.report.graph_records):
+            lines.append("  (a graph runs replicated: its GEMMs are counted for every token on every rank, its "
+                         "attention is not costed)")
         lines.append(self.memory)
         other = [r for r in self.report.rewrites if r.kind != "attention"]
         lines.append("")
@@ -192,7 +195,8 @@ def _fake_parameters(model: torch.nn.Module, fake_mode) -> None:
 
 def _model_call(model, ids):
     """The call ``burstc explain`` makes: HF-style ``(input_ids=, labels=, use_cache=False)`` when the forward
-    takes them, else ``model(ids)``; returns the scalar to differentiate."""
+    takes them, else ``model(ids, ids)`` (tokens, targets) when it needs two arguments, else ``model(ids)``; returns
+    the scalar to differentiate."""
     params = inspect.signature(getattr(model, "_orig_mod", model).forward).parameters
     if "input_ids" in params and "labels" in params:
         kwargs = {"input_ids": ids, "labels": ids}
@@ -200,7 +204,10 @@ def _model_call(model, ids):
             kwargs["use_cache"] = False
         out = model(**kwargs)
         return out.loss if hasattr(out, "loss") else out[0]
-    out = model(ids)
+    required = [p for p in params.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                               p.POSITIONAL_OR_KEYWORD)]
+    out = model(ids, ids) if len(required) >= 2 else model(ids)  # (tokens, targets) or (tokens)
+    out = out[0] if isinstance(out, (tuple, list)) else out
     return out if out.dim() == 0 else out.float().mean()
 
 
@@ -306,7 +313,8 @@ def _step_seconds(attentions, gemm_parameters: int, parameter_bytes: int, tokens
                   ) -> dict[str, float]:
     """The step's parts on ``device``: ring attention (the cost model, every attention), the GEMMs (6 FLOPs per
     non-embedding parameter and token at peak: a lower bound) and the gradient all-reduce over the sequence ranks (a ring
-    all-reduce on the slower link, not overlapped: an upper bound)."""
+    all-reduce on the slower link, not overlapped: an upper bound; ``parameter_bytes`` 0 when burstc does not
+    reduce them: a replicated graph, ``reduce_grads=False``)."""
     size = math.prod(mesh_shape)
     link = "inter"  # the ring over all ranks crosses nodes (a 1-D mesh's nodes are unknown: the slower class)
     parts = {
@@ -397,8 +405,12 @@ def explain(factory, mesh="8x8", seq_len=2**20, *, device: str = "H100", batch: 
     finally:
         dist.destroy_process_group()
     attentions = _attentions(report, mesh_shape, spec.machine)
-    tokens_per_rank = batch * seq_len // size
-    steps = _step_seconds(attentions, gemm_parameters, parameter_bytes, tokens_per_rank, mesh_shape, spec)
+    # a graph the shard pass refused runs replicated: every rank computes every token
+    sharded = bool(report.graph_records) and all(g.sharding is not None for g in report.graph_records)
+    tokens_per_rank = batch * seq_len // (size if sharded else 1)
+    reduces_grads = sharded and compile_options.get("reduce_grads", True)
+    steps = _step_seconds(attentions, gemm_parameters, parameter_bytes if reduces_grads else 0, tokens_per_rank,
+                          mesh_shape, spec)
     memory = _memory_section(model, report, mesh_shape, seq_len, batch, spec)
     graph_files = _write_graphs(report, Path(out)) if out is not None else []
     name = factory if isinstance(factory, str) else getattr(factory, "__qualname__", repr(factory))

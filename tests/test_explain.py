@@ -65,6 +65,7 @@ def _check_against_formulas(result, B, Hq, Hkv, D, dtype):
     name = {"double": "double 8x8", "ulysses": "ulysses_ring 8x8", "flat": "flat"}[ring]
     for attention in result.attentions:
         assert (attention.ring, attention.plan) == (name, plan)
+        assert sum(n for links in attention.bytes_by_link.values() for n in links.values()) > 0
         assert {k: {link: n for link, n in v.items() if n} for k, v in attention.bytes_by_link.items()} == \
             {k: {link: n for link, n in v.items() if n} for k, v in by_link.items()}
     text = str(result)
@@ -152,3 +153,24 @@ def test_parsing_and_errors():
     assert set(DEVICES) == {"H100", "A100", "A800"}
     assert all(math.isfinite(d.peak_flops) and dict(d.machine.bandwidth)["intra"] > dict(d.machine.bandwidth)["inter"]
                for d in DEVICES.values())
+
+
+def test_a_refused_graph_and_a_tokens_targets_model():
+    # Mixtral's router (topk on the sequence) makes the shard pass refuse: the report says why, and nothing is
+    # costed as sharded
+    result = burstc.explain(functools.partial(hf.hf_arch, "MixtralConfig"), mesh="2x2", seq_len=256, device="A100")
+    assert result.attentions == [] and "replicated on 4 ranks" in str(result)
+    assert [s.code for s in result.report.skipped if s.kind == "shard"] == ["shard.unsupported_op"]
+    assert result.step_seconds["gradient all-reduce over 4 ranks (inter links)"] == 0
+    # a torchtitan-style model called as model(tokens, targets)
+    from burstc.testing.zoo import titan
+
+    def titan_model():
+        return titan.WithLoss(titan.TitanLlama(titan.TitanLlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                                    vocab_size=128, max_seq_len=65536)))
+
+    result = burstc.explain(titan_model, mesh="2x4", seq_len="64K")
+    assert len(result.attentions) == 2 and result.step_seconds["gradient all-reduce over 8 ranks (inter links)"] > 0
+    ring, plan, by_link = _expected(2, 4, 1, 4, 2, 16, torch.float32, result.device.machine, seq_len=65536)
+    name = {"double": "double 2x4", "ulysses": "ulysses_ring 2x4", "flat": "flat"}[ring]
+    assert all(a.ring == name and a.plan == plan for a in result.attentions)
