@@ -359,7 +359,9 @@ def explain(factory, mesh="8x8", seq_len=2**20, *, device: str = "H100", batch: 
     """Compile ``factory()``'s model (``"module:attr"`` or a callable, built under ``torch.device("meta")``) as rank 0
     of a ``mesh`` (``"8x8"``, ``(8, 8)``, ``64``) would for ``batch x seq_len`` tokens, on a fake process group and
     fake tensors; return the :class:`Explanation`.  ``out``: a folder for the graphs as Python.
-    ``compile_options``: burstc.compile's (``ring=``, ``layout=``, ``attention_plan=``, ...)."""
+    ``compile_options``: burstc.compile's (``ring=``, ``layout=``, ``attention_plan=``, ...).  Needs a process with
+    no process group; leaves none, and resets Dynamo's caches (``torch._dynamo.reset()``) when done, so that
+    explaining many models of one class never reaches Dynamo's recompile limit."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -401,8 +403,8 @@ def explain(factory, mesh="8x8", seq_len=2**20, *, device: str = "H100", batch: 
         if loss.requires_grad:
             loss.backward()  # fake: records the backward graph (aot_eager compiles it at the first backward)
         report = burstc.report(compiled)
-        torch._dynamo.reset()  # the compiled frames hold the fake process group's names
     finally:
+        torch._dynamo.reset()  # the compiled frames hold the fake process group's names
         dist.destroy_process_group()
     attentions = _attentions(report, mesh_shape, spec.machine)
     # a graph the shard pass refused runs replicated: every rank computes every token
