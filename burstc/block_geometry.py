@@ -230,6 +230,8 @@ def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, loca
     mask = MaskSpec(terms)
     if not mask.terms:  # full attention: every row of every pair
         return everything, everything
+    if mask.term(SlidingWindow) is None:  # causal: closed-form blocks, each seeing all its rows and keys
+        return _block_rows_seen(blocks(layout, mask, q_owner, kv_owner, local_len, world_size))
     seq_len = local_len * world_size
     lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
                                local_positions(seq_len, world_size, kv_owner, layout), mask)
@@ -239,6 +241,17 @@ def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, loca
     cover.index_add_(0, lo[seen], torch.ones(int(seen.sum()), dtype=torch.int64))
     cover.index_add_(0, hi[seen], torch.full((int(seen.sum()),), -1, dtype=torch.int64))
     return _runs_of(seen), _runs_of(cover.cumsum(0)[:local_len] > 0)
+
+
+def _block_rows_seen(found: tuple[Block, ...]) -> tuple[Runs, Runs]:
+    """``_pair_rows_seen`` from closed-form blocks (full, or top-left causal at least as tall as wide): every
+    row of such a block sees a key and every key is seen, so the runs are the unions of their row ranges
+    (O(blocks), where the interval search is O(local_len) tensor work per pair: minutes over P^2 pairs at
+    S = 1M)."""
+    assert all(b.mask == FULL or (b.mask == CAUSAL and b.q_stop - b.q_start >= b.kv_stop - b.kv_start)
+               for b in found), found
+    return (union_runs([((b.q_start, b.q_stop),) for b in found if b.q_stop > b.q_start]),
+            union_runs([((b.kv_start, b.kv_stop),) for b in found if b.kv_stop > b.kv_start]))
 
 
 def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver: int, sender: int, local_len: int,

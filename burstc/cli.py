@@ -1,4 +1,5 @@
-"""``burstc`` command line: ``burstc demo`` trains a small causal LM with burstc.compile."""
+"""``burstc`` command line: ``burstc demo`` trains a small causal LM with burstc.compile; ``burstc explain`` shows
+what burstc would do to a model on a cluster (:mod:`burstc.explain`)."""
 from __future__ import annotations
 
 import argparse
@@ -191,12 +192,18 @@ def demo(argv=None) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: burstc demo [options]   (burstc demo --help for the options)")
+        print("usage: burstc demo [options]               train a small LM on P gloo ranks (burstc demo --help)\n"
+              "       burstc explain MODULE:FACTORY [options]  burstc's plan for a model on a cluster, without one "
+              "(burstc explain --help)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
         return demo(rest)
-    print(f"burstc: unknown command {command!r}; commands: demo", file=sys.stderr)
+    if command == "explain":
+        import importlib
+
+        return importlib.import_module("burstc.explain").main(rest)
+    print(f"burstc: unknown command {command!r}; commands: demo, explain", file=sys.stderr)
     return 2
 
 

@@ -53,6 +53,43 @@ H100_CLUSTER = Machine(attention_flops=400e12, bandwidth=(("intra", 450e9), ("in
 CPU_AS_H100_CLUSTER = Machine(attention_flops=45e9, bandwidth=(("intra", 101e6), ("inter", 11.3e6)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A named accelerator for ``burstc explain``: its cluster as the cost model sees it (``machine``), its
+    peak dense bf16 FLOP/s (the GEMMs outside attention), and its memory."""
+
+    name: str
+    machine: Machine
+    peak_flops: float
+    memory_bytes: int
+    source: str
+
+
+# Per GPU, one direction.  attention_flops: what FlashAttention-2/3 reach on the card in bf16 (forward + backward),
+# not the peak.  Inter-node: one InfiniBand port's share per GPU.
+DEVICES = {
+    "H100": Device("H100", H100_CLUSTER, peak_flops=989e12, memory_bytes=80 * 2**30, source=(
+        "H100 SXM: 989 TFLOP/s dense bf16; NVLink 4 900 GB/s both ways = 450 GB/s each; 400 Gb/s NDR InfiniBand "
+        "per GPU = 50 GB/s; ~400 TFLOP/s FlashAttention bf16")),
+    "A100": Device("A100", Machine(attention_flops=200e12, bandwidth=(("intra", 300e9), ("inter", 25e9))),
+                   peak_flops=312e12, memory_bytes=80 * 2**30, source=(
+        "A100 SXM 80GB: 312 TFLOP/s dense bf16; NVLink 3 600 GB/s both ways = 300 GB/s each; 200 Gb/s HDR "
+        "InfiniBand per GPU = 25 GB/s; ~200 TFLOP/s FlashAttention-2 bf16")),
+    "A800": Device("A800", Machine(attention_flops=200e12, bandwidth=(("intra", 200e9), ("inter", 12.5e9))),
+                   peak_flops=312e12, memory_bytes=80 * 2**30, source=(
+        "A800 SXM4 80GB (BurstEngine's cluster): the A100's compute; NVLink capped at 400 GB/s both ways = "
+        "200 GB/s each; 4 HDR 200 Gb/s HCAs per 8-GPU node = 12.5 GB/s per GPU; ~200 TFLOP/s FlashAttention-2")),
+}
+
+
+def device(name: str) -> Device:
+    """The :data:`DEVICES` entry ``name`` (case-insensitive), or a ``ValueError`` listing them."""
+    found = DEVICES.get(name.upper())
+    if found is None:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return found
+
+
 def default_machine(device_type: str) -> Machine:
     return H100_CLUSTER if device_type == "cuda" else CPU_AS_H100_CLUSTER
 
@@ -79,11 +116,12 @@ class RingCost:
         return self.forward + self.backward
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1 << 16)  # a call asks every (rank, visitor) pair twice: 8192 pairs at P = 64
 def _step_entries(layout: str, mask, local_len: int, size: int, q_owner: int, kv_owner: int) -> int:
     return sum(block.score_entries for block in blocks(layout, mask, q_owner, kv_owner, local_len, size))
 
 
+@functools.lru_cache(maxsize=256)  # every layer of a model asks the same
 def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int,
                         heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype, plan: str,
                         machine: Machine) -> RingCost:
@@ -165,9 +203,16 @@ def _double_ring_seconds(compute: list[float], links, machine: Machine, per_node
 def choose_ring(layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int, heads_q: int,
                 heads_kv: int, head_dim: int, dtype: torch.dtype, plan_of, machine: Machine,
                 candidates=("double", "ulysses", "flat")) -> tuple[str, dict]:
-    """``(ring, {ring: RingCost})``: of ``candidates``, the ring with the lowest predicted forward + backward
-    (ties: the first listed).  ``plan_of(ring)``: the backward plan that ring would run."""
+    """``(ring, {ring: RingCost})``: of ``candidates``, the first listed whose predicted forward + backward is
+    within :data:`NEAR_TIE` of the lowest: where compute hides every transfer the plans tie, and the first (the
+    double ring, then the hybrid) sends G times fewer bytes between nodes than the flat ring, which the model's
+    bandwidths may understate.  ``plan_of(ring)``: the backward plan that ring would run."""
     costs = {ring: predicted_ring_cost(ring, layout, mask, seq_len, nodes, per_node, batch, heads_q, heads_kv,
                                        head_dim, dtype, plan_of(ring), machine) for ring in candidates}
-    best = min(candidates, key=lambda ring: costs[ring].total)
+    fastest = min(cost.total for cost in costs.values())
+    best = next(ring for ring in candidates if costs[ring].total <= fastest * (1 + NEAR_TIE))
     return best, costs
+
+
+NEAR_TIE = 0.01
+"""Predicted times within 1% count as a tie (:func:`choose_ring`)."""

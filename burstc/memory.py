@@ -613,6 +613,24 @@ def predict_step(report, optimizer: str | None = None) -> MemoryEstimate:
                           optimizer=optimizer)
 
 
+def explain_memory(*, model, report, mesh_shape, seq_len: int, batch: int, device) -> str:
+    """The memory lines of ``burstc explain`` (:mod:`burstc.explain`): :func:`predict_step` with AdamW state,
+    and the same with parameters, gradients and optimizer state sharded over every rank of the mesh (FSDP /
+    ZeRO-3 over the sequence ranks too, as BurstEngine runs), the activations unchanged."""
+    from burstc.report import _fmt_bytes
+
+    estimate = predict_step(report, optimizer="adamw")
+    ranks = 1
+    for size in mesh_shape:
+        ranks *= size
+    # parameters, their gradients and AdamW's two moments, 1/ranks of each under FSDP; the step's own peak stays
+    state = estimate.parameters + estimate.optimizer_state + estimate.gradients
+    sharded = estimate.peak - state + state // max(ranks, 1)
+    return ("memory per rank: " + estimate.summary().removeprefix("memory ")
+            + f"\nmemory per rank with parameters, gradients and optimizer state sharded over all {ranks} ranks "
+              f"(FSDP): about {_fmt_bytes(sharded)}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # memory_budget=: the checkpoint mode whose predicted peak fits
 

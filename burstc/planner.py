@@ -39,6 +39,7 @@ import functools
 import sympy
 import torch
 
+from burstc.attention_ir import Causal, SlidingWindow
 from burstc.block_geometry import DoubleRingRoutes, GridPosition, blocks, runs_length, travelling_rows, visible_intervals
 from burstc.layout import local_positions
 
@@ -318,6 +319,45 @@ def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int,
     return found
 
 
+def _seen_without_window(positions_PS: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys_seen, rows_seeing)`` of :func:`zero_redundancy_bound` for a full or causal mask, in O(P^2 log s):
+    rank a sees b's keys up to a's last query (every key when full), and a's queries from b's first key on
+    see one of b's (every query when full)."""
+    size, local_len = positions_PS.shape
+    if not causal:
+        return (torch.full((size, size), local_len, dtype=torch.int64),) * 2
+    last_P, first_P = positions_PS[:, -1], positions_PS[:, 0]
+    keys_seen = torch.searchsorted(positions_PS, last_P.expand(size, -1).contiguous(), right=True).T  # [b, a] -> [a, b]
+    rows_seeing = local_len - torch.searchsorted(positions_PS, first_P.expand(size, -1).contiguous())
+    return keys_seen.clone(), rows_seeing
+
+
+def _seen_by_intervals(positions_PS: torch.Tensor, static) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys_seen, rows_seeing)`` of :func:`zero_redundancy_bound` from each query's visible interval of
+    the whole sequence: O(P S) time, O(P s) memory."""
+    size, local_len = positions_PS.shape
+    seq_len = size * local_len
+    owner = torch.empty(seq_len, dtype=torch.int64)
+    for r in range(size):
+        owner[positions_PS[r]] = r
+    everything = torch.arange(seq_len)
+    keys_seen = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: keys of b some query of a sees
+    rows_seeing = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: queries of a that see a key of b
+    for a in range(size):
+        lo, hi = visible_intervals(positions_PS[a], everything, static)
+        seen = hi > lo
+        cover = torch.zeros(seq_len + 1, dtype=torch.int64)
+        cover.index_add_(0, lo[seen], torch.ones_like(lo[seen]))
+        cover.index_add_(0, hi[seen], -torch.ones_like(hi[seen]))
+        keys_seen[a] = torch.bincount(owner[cover.cumsum(0)[:seq_len] > 0], minlength=size)
+        # b's keys in each query's [lo, hi), by binary search in b's positions (an [S, P] table of key owners
+        # would take 0.5 GiB at S = 1M, P = 64)
+        in_window_PS = (torch.searchsorted(positions_PS, hi.expand(size, -1).contiguous())
+                        - torch.searchsorted(positions_PS, lo.expand(size, -1).contiguous()))
+        rows_seeing[a] = (in_window_PS > 0).sum(1)
+    return keys_seen, rows_seeing
+
+
 @functools.lru_cache(maxsize=256)
 def zero_redundancy_bound(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int,
                           heads_kv: int, head_dim: int, dtype: torch.dtype | int) -> dict[str, tuple[int, ...]]:
@@ -329,28 +369,12 @@ def zero_redundancy_bound(layout: str, mask, seq_len: int, world_size: int, batc
     values = _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
     per_row = _row_bytes(values)
     size = world_size
-    positions = [local_positions(seq_len, size, r, layout) for r in range(size)]
-    owner = torch.empty(seq_len, dtype=torch.int64)
-    for r, pos in enumerate(positions):
-        owner[pos] = r
-    owned_BP = torch.nn.functional.one_hot(owner, size).to(torch.int64)  # [S, P]
-    owned_before = torch.cat([torch.zeros(1, size, dtype=torch.int64), owned_BP.cumsum(0)])  # [S + 1, P]
+    positions_PS = torch.stack([local_positions(seq_len, size, r, layout) for r in range(size)])  # increasing rows
     static = mask.static_part
-    everything = torch.arange(seq_len)
-    keys_seen = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: keys of b some query of a sees
-    rows_seeing = torch.zeros(size, size, dtype=torch.int64)  # [a, b]: queries of a that see a key of b
-    for a in range(size):
-        if static.terms:
-            lo, hi = visible_intervals(positions[a], everything, static)
-        else:
-            lo, hi = torch.zeros_like(positions[a]), torch.full_like(positions[a], seq_len)
-        seen = hi > lo
-        cover = torch.zeros(seq_len + 1, dtype=torch.int64)
-        cover.index_add_(0, lo[seen], torch.ones_like(lo[seen]))
-        cover.index_add_(0, hi[seen], -torch.ones_like(hi[seen]))
-        seen_keys = cover.cumsum(0)[:seq_len] > 0
-        keys_seen[a] = owned_BP[seen_keys].sum(0)
-        rows_seeing[a] = ((owned_before[hi] - owned_before[lo]) > 0).sum(0)
+    if static.term(SlidingWindow) is None:
+        keys_seen, rows_seeing = _seen_without_window(positions_PS, Causal() in static.terms)
+    else:
+        keys_seen, rows_seeing = _seen_by_intervals(positions_PS, static)
     keys_seen.fill_diagonal_(0)
     rows_seeing.fill_diagonal_(0)
     kv_in, kv_out = keys_seen.sum(1), keys_seen.sum(0)          # rows a rank needs; its rows others need

@@ -47,7 +47,10 @@ def test_choice_is_the_faster_ring_and_slow_inter_links_favour_the_double_ring(m
     args = ("zigzag", mask, 1024, *mesh, *SHAPE)
     for machine in (_machine(1e9, 1e8, 1e6), _machine(1e9, 1e6, 1e8), _machine(1e12, 1e9, 1e9)):
         best, costs = choose_ring(*args, lambda ring: "burst", machine)
-        assert costs[best].total <= min(c.total for c in costs.values())
+        fastest = min(c.total for c in costs.values())
+        assert costs[best].total <= fastest * 1.01  # within the near-tie margin of the fastest
+        earlier = ("double", "ulysses", "flat")[:("double", "ulysses", "flat").index(best)]
+        assert all(costs[ring].total > fastest * 1.01 for ring in earlier)  # ties go to fewer inter-node bytes
     best, costs = choose_ring(*args, lambda ring: "burst", _machine(1e12, 1e9, 1e6))
     if mask != MaskSpec.causal() & SlidingWindow(20):  # a short window moves a halo only, between neighbours
         # both two-level plans cross nodes once per block; the flat ring G times

@@ -27,7 +27,7 @@ _LIBRARIES: list = []  # a registration lives as long as its Library object
 def cast_like_lower_precision(tensors, device_type: str):
     """``tensors`` as autocast hands them to a lower-precision op inside an enabled region on
     ``device_type`` (floating tensors on that device cast to the region's dtype), else unchanged."""
-    if not torch.is_autocast_enabled(device_type):
+    if device_type not in _DEVICE_TYPES or not torch.is_autocast_enabled(device_type):  # "meta": no autocast
         return tuple(tensors)
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.device.type == device_type
@@ -68,7 +68,7 @@ def without_autocast(fn):
     def run(*args, **kwargs):
         devices = {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor)}
         with contextlib.ExitStack() as stack:
-            for device_type in devices:
+            for device_type in devices & set(_DEVICE_TYPES):
                 if torch.is_autocast_enabled(device_type):
                     stack.enter_context(torch.autocast(device_type, enabled=False))
             return fn(*args, **kwargs)

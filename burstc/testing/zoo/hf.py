@@ -165,3 +165,35 @@ def hf_llama_checkpointed():
     model = hf_llama()
     model.gradient_checkpointing_enable()
     return model.train()
+
+
+def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000):
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                    max_position_embeddings=4096)
+
+
+def llama_7b(layers: int = 32):
+    """A Llama-2-7B-shaped model (hidden 4096, 32 layers, 32 heads, MHA as BurstEngine's 7B, intermediate 11008,
+    vocab 32000) in bf16, random init: for ``burstc explain`` under ``torch.device("meta")``, where it allocates
+    nothing (on a real device it takes 13 GB).  ``layers``: fewer decoder layers of the same width (quick tests)."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(_llama_config(4096, layers, 32, 32, 11008)).to(torch.bfloat16)
+
+
+def llama_7b_gqa(layers: int = 32):
+    """:func:`llama_7b` with 8 kv heads (Llama-3-style GQA)."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(_llama_config(4096, layers, 32, 8, 11008)).to(torch.bfloat16)
+
+
+def llama_14b(layers: int = 40):
+    """BurstEngine's "14B" (its ``13b`` config: hidden 5120, 40 layers, 40 heads, MHA, intermediate 13824, vocab
+    120000, untied LM head: 13.9B parameters) in bf16, for ``burstc explain`` on the meta device."""
+    import transformers
+
+    return transformers.LlamaForCausalLM(_llama_config(5120, layers, 40, 40, 13824, vocab=120000)).to(torch.bfloat16)
