@@ -227,7 +227,10 @@ def test_predictions_within_15_percent_and_peak_monotone_in_budget(workers):
             assert abs(step_peak / measured - 1) <= 0.15, (mode, step_peak, measured)
         _check_choices(chosen, {mode: peak for mode, (peak, _, _) in modes.items()})
         measured = [c[5] for c in chosen]
-        assert all(later <= earlier * 1.02 for earlier, later in zip(measured, measured[1:])), chosen
+        # selective and layers differ by ~3% here (predicted 71.4 vs 69.4 MiB): allow the measurement's own
+        # spread between runs of one mode (~3% under load, seen in CI) on top of "never rises"
+        assert all(later <= earlier * 1.05 for earlier, later in zip(measured, measured[1:])), chosen
+        assert measured[-1] < measured[0] * 0.7, chosen  # and the sweep's end is well below its start
 
 
 def test_replay_frees_at_last_use_and_views_share_storage():
