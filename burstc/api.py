@@ -17,8 +17,8 @@ _REPORT_ATTR = "_burstc_report"
 @dataclasses.dataclass(frozen=True)
 class SequenceMesh:
     """The part of the user's mesh that shards the sequence: ``flat`` (a 1-D DeviceMesh over the sequence dims,
-    node-major: shards, gathers, checks and broadcasts run over it) and the ring's process-group names
-    (``(flat,)`` for a flat ring, ``(inter, intra)`` for a double ring)."""
+    node-major: shards, gathers, checks, broadcasts and the flat ring run over it) and, on two sequence dims of
+    at least 2 ranks each, their process-group names ``(inter, intra)`` for the two-level plans (else ``()``)."""
 
     flat: object
     ring_groups: tuple[str, ...]
@@ -56,22 +56,14 @@ def sequence_mesh(mesh, config: BurstConfig) -> SequenceMesh | None:
             raise ValueError(f"burstc.compile: seq_dims {list(dims)} name dims {unknown} that {describe_mesh(mesh)} "
                              f"does not have; its dims are {list(names) or 'unnamed'} (name them with "
                              "init_device_mesh(..., mesh_dim_names=...))")
-    if len(dims) < mesh.ndim and not names:
-        raise ValueError("burstc.compile: name the mesh's dims to choose seq_dims")
-    sub = mesh if len(dims) == mesh.ndim else mesh[dims]
-    if sub.ndim == 1:
-        flat = sub
-    else:
-        flat = sub._flatten()
+    sub = mesh if len(dims) == mesh.ndim else mesh[dims]  # a subset of dims is named (checked above)
+    flat = sub if sub.ndim == 1 else sub._flatten()
     shape = tuple(sub.shape)
     double = len(shape) == 2 and min(shape) >= 2
     if config.ring in ("double", "ulysses") and not double:
         raise ValueError(f"burstc.compile: ring={config.ring!r} needs two sequence dims of at least 2 ranks each (nodes x "
                          f"ranks per node), got sequence dims of sizes {list(shape)}; use ring='flat' or 'auto'")
-    if double and config.ring != "flat":
-        groups = (sub.get_group(0).group_name, sub.get_group(1).group_name)
-    else:
-        groups = (flat.get_group().group_name,)
+    groups = (sub.get_group(0).group_name, sub.get_group(1).group_name) if double and config.ring != "flat" else ()
     return SequenceMesh(flat, groups) if flat.size() > 1 else None
 
 

@@ -58,21 +58,20 @@ def _nbytes(node: fx.Node) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def _buckets(pairs, cap: int) -> list[list[tuple[fx.Node, fx.Node]]]:
-    """Consecutive pairs of one group and dtype, at most ``cap`` bytes each (0: one pair per bucket)."""
-    buckets, size = [], 0
+def _buckets(pairs, cap: int) -> list[list[tuple[fx.Node, list[fx.Node]]]]:
+    """Consecutive pairs of one group, dtype and device, at most ``cap`` bytes each (0: one pair per bucket)."""
+    buckets, size, last_key = [], 0, None
     for pair in pairs:
         grad = pair[0].args[0]
         key = (pair[0].args[2], val(grad).dtype, val(grad).device)
         nbytes = _nbytes(grad)
-        last = buckets[-1] if buckets else None
-        if (last is None or cap == 0 or size + nbytes > cap
-                or (last[0][0].args[2], val(last[0][0].args[0]).dtype, val(last[0][0].args[0]).device) != key):
+        if not buckets or cap == 0 or size + nbytes > cap or key != last_key:
             buckets.append([pair])
             size = nbytes
         else:
-            last.append(pair)
+            buckets[-1].append(pair)
             size += nbytes
+        last_key = key
     return buckets
 
 

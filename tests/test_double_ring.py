@@ -17,7 +17,7 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.block_geometry import pairs_hidden_by_data
 from burstc.ops import ring_attention as ra
 from burstc.testing import tolerance, zoo
-from burstc.testing.ring_cases import ring_attention_case
+from burstc.testing.ring_cases import ring_attention_case, runtime_mask_data
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 4, 2, 8
 CAUSAL = MaskSpec.causal()
@@ -36,19 +36,8 @@ def _masks(local_len: int) -> dict[str, MaskSpec]:
     }
 
 
-def _mask_data(seq_len: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.rand(BATCH, seq_len, generator=generator) < 0.2
-    starts[:, 0] = True
-    key_valid = torch.ones(BATCH, seq_len, dtype=torch.bool)
-    key_valid[0, seq_len - max(1, seq_len // 3):] = False
-    return starts.long().cumsum(1), key_valid
-
-
 def _data_for(mask: MaskSpec, seq_len: int, seed: int) -> dict:
-    doc_ids, key_valid = _mask_data(seq_len, seed)
-    return {"doc_ids": doc_ids if mask.term(Documents) else None,
-            "key_valid": key_valid if mask.term(KeyPadding) else None}
+    return runtime_mask_data(mask, BATCH, seq_len, seed, doc_start_probability=0.2)
 
 
 def _run_grid(rank, world_size, mesh_shape, grid):

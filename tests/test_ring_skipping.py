@@ -22,7 +22,7 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.block_geometry import CAUSAL, POSITIONS, blocks, pairs_hidden_by_data, runs_length, travelling_rows
 from burstc.ops import ring_attention as ra
 from burstc.testing import balance, tolerance
-from burstc.testing.ring_cases import ring_attention_case
+from burstc.testing.ring_cases import ring_attention_case, runtime_mask_data
 
 CAUSAL_SPEC = MaskSpec.causal()
 DOCS, PAD = Documents("doc_ids"), KeyPadding("attention_mask")
@@ -212,13 +212,8 @@ def _masks(local_len: int) -> dict[str, MaskSpec]:
             "window&documents&padding": CAUSAL_SPEC & SlidingWindow(local_len) & DOCS & PAD}
 
 
-def _mask_data(seq_len: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    starts = torch.rand(BATCH, seq_len, generator=generator) < 0.3
-    starts[:, 0] = True
-    key_valid = torch.ones(BATCH, seq_len, dtype=torch.bool)
-    key_valid[0, seq_len - max(1, seq_len // 3):] = False
-    return starts.long().cumsum(1), key_valid
+def _mask_data(mask: MaskSpec, seq_len: int, seed: int) -> dict:
+    return runtime_mask_data(mask, BATCH, seq_len, seed, doc_start_probability=0.3)
 
 
 def _run_grid(rank, world_size, grid):
@@ -227,9 +222,7 @@ def _run_grid(rank, world_size, grid):
     for index, (layout, local_len, name, plan) in enumerate(grid):
         seq_len = local_len * world_size
         mask = _masks(local_len)[name]
-        doc_ids, key_valid = _mask_data(seq_len, index)
-        data = {"doc_ids": doc_ids if mask.term(Documents) else None,
-                "key_valid": key_valid if mask.term(KeyPadding) else None}
+        data = _mask_data(mask, seq_len, index)
         errors, stats = ring_attention_case(rank, world_size, mask, layout, plan, seq_len,
                                             (BATCH, HEADS_Q, HEADS_KV, HEAD_DIM), data, 2000 + index)
         counters = {call.op: (call.plan, call.bytes_sent_per_step, call.bytes_received_per_step, call.work_per_step)
@@ -263,9 +256,7 @@ def test_counters_equal_prediction_and_bound_and_results_stay_exact(workers, wor
                 diff, scale = errors[key]
                 assert diff <= allowed.atol + allowed.rtol * scale, (context, key, diff, scale)
             mask, seq_len = _masks(local_len)[name], local_len * world_size
-            doc_ids, key_valid = _mask_data(seq_len, index)
-            data = {"doc_ids": doc_ids if mask.term(Documents) else None,
-                    "key_valid": key_valid if mask.term(KeyPadding) else None}
+            data = _mask_data(mask, seq_len, index)
             hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, data["doc_ids"], data["key_valid"])
             hidden_somewhere += bool(hidden)
             transfers = _transfers(layout, mask.static_part, seq_len, world_size, fp32, hidden)

@@ -24,30 +24,15 @@ link class are :func:`burstc.planner.predicted_double_ring_transfers` (tested pe
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from burstc.attention_ir import MaskSpec
 from burstc.block_geometry import DoubleRingRoutes
-from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import TwoLevelRing, wait
-from burstc.ops.ring_loops import (_DQ, _DK, _DV, BackwardPlan, MaskData, _Accumulator, _add_returned_, _Arrivals,
-                                   _gather_rows, _rows_between, _rows_buffer, attend_backward, attend_forward,
-                                   backward_sides)
+from burstc.ops.ring_loops import (_DQ, _DK, _DV, NO_TRANSFER, BackwardPlan, MaskData, _Accumulator, _add_returned_,
+                                   _Arrivals, _rows_between, attend_backward, attend_forward, backward_sides,
+                                   fp32_zeros_like, input_transfer, return_transfer)
 from burstc.ops.ring_stats import CallRecorder
-
-
-def _inputs(offset: int, out_runs, in_runs, source: list[Tensor] | None, arrivals: _Arrivals, slot: int):
-    """``(sends, recvs, in_runs, arriving buffers)`` of one input transfer: ``out_runs`` of ``source``
-    towards ``+offset``, ``in_runs`` from ``-offset`` into ``arrivals``' slot ``slot``."""
-    if out_runs and source is None:
-        raise AssertionError(f"rows {out_runs} must be sent, but none arrived here to send")
-    sends = [(offset, [_gather_rows(t, out_runs) for t in source])] if out_runs else []
-    arriving = arrivals.receive_buffers(slot, in_runs) if in_runs else None
-    return sends, [(-offset, arriving)] if in_runs else [], in_runs, arriving
-
-
-_NOTHING = ([], [], (), None)
 
 
 def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: TwoLevelRing, layout: str,
@@ -63,14 +48,14 @@ def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Tw
     for j in range(nodes):
         nxt = j + 1
         sends, recvs, lane_runs, lane_arriving = (
-            _inputs(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home, lanes, nxt) if nxt < nodes else _NOTHING)
+            input_transfer(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home, lanes, nxt) if nxt < nodes else NO_TRANSFER)
         lane_requests = ring.inter.post_between(sends, recvs, recorder, j * per_node)
         visiting = lane
         for i in range(per_node):
             step = j * per_node + i
             sends, recvs, runs, arriving = (
-                _inputs(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
-                if i + 1 < per_node else _NOTHING)
+                input_transfer(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
+                if i + 1 < per_node else NO_TRANSFER)
             requests = ring.intra.post_between(sends, recvs, recorder, step)
             attend_forward(q_BHSD, visiting, ring.seq_rank(-j, -i), acc, ring, layout, mask, scale, data, recorder,
                            step)
@@ -80,20 +65,6 @@ def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Tw
         lane = lanes.unpack(nxt, lane_runs, lane_arriving) if lane_arriving is not None else None
     recorder.publish()
     return acc.result(q_BHSD.dtype)
-
-
-def _zeros(like: list[Tensor]) -> list[Tensor]:
-    return [torch.zeros(t.shape, dtype=ACC_DTYPE, device=t.device) for t in like]
-
-
-def _returns(offset: int, out_runs, partial: list[Tensor] | None, in_runs, like: list[Tensor]):
-    """``(sends, recvs, (in_runs, buffers))`` of one gradient return: ``out_runs`` of ``partial``
-    towards ``+offset`` (nothing when ``partial`` is None: no rows came), ``in_runs`` from ``-offset``."""
-    sends = [(offset, [_gather_rows(g, out_runs) for g in partial])] if partial is not None and out_runs else []
-    if not in_runs:
-        return sends, [], ((), None)
-    buffers = [_rows_buffer(g, in_runs, ACC_DTYPE) for g in like]
-    return sends, [(-offset, buffers)], (in_runs, buffers)
 
 
 def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: TwoLevelRing,
@@ -114,18 +85,18 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
         if prev is None or prev[1] == 0:
             return [], [], ((), None)
         lane_of, inner, partial = prev
-        return _returns(-inner, routes.intra_in(lane_of, inner), partial, routes.intra_out(lane_of, inner), own_grads)
+        return return_transfer(-inner, routes.intra_in(lane_of, inner), partial, routes.intra_out(lane_of, inner), own_grads)
 
     def inter_return(lane_of: int):
         """Lane ``lane_of``'s gradients home over the inter-node link; this rank's own rows' from node + ``lane_of``."""
-        return _returns(-lane_of, routes.lane_in(lane_of), lane_grads.pop(lane_of), routes.lane_out(lane_of),
+        return return_transfer(-lane_of, routes.lane_in(lane_of), lane_grads.pop(lane_of), routes.lane_out(lane_of),
                         own_grads)
 
     for j in range(nodes):
         nxt = j + 1
         lane_sends, lane_recvs, lane_runs, lane_arriving = (
-            _inputs(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home_travelling, lanes, nxt)
-            if nxt < nodes else _NOTHING)
+            input_transfer(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home_travelling, lanes, nxt)
+            if nxt < nodes else NO_TRANSFER)
         inter_requests = [ring.inter.post_between(lane_sends, lane_recvs, recorder, j * per_node)]
         inter_returned = ((), None)
         travelling = lane
@@ -134,8 +105,8 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
             visitor = ring.seq_rank(-j, -i)
             q_owner, kv_owner = (visitor, ring.rank) if plan.queries_travel else (ring.rank, visitor)
             sends, recvs, runs, arriving = (
-                _inputs(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
-                if i + 1 < per_node else _NOTHING)
+                input_transfer(i + 1, routes.intra_out(j, i + 1), routes.intra_in(j, i + 1), lane, arrivals, step + 1)
+                if i + 1 < per_node else NO_TRANSFER)
             back_sends, back_recvs, returned = intra_return(previous)
             requests = ring.intra.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
             if i == 1 and j >= 2:  # lane j - 1's gradients are complete since the last step's wait
@@ -143,10 +114,10 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
                 inter_requests.append(ring.inter.post_between(back_sends, back_recvs, recorder, step))
             if i == 0:
                 if j > 0:
-                    lane_grads[j] = _zeros(own_grads) if lane is not None else None
+                    lane_grads[j] = fp32_zeros_like(own_grads) if lane is not None else None
                 partial = lane_grads[j]
             else:
-                partial = _zeros(own_grads) if travelling is not None else None
+                partial = fp32_zeros_like(own_grads) if travelling is not None else None
             attend_backward(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask,
                             scale, data, recorder, step)
             wait(requests)

@@ -184,17 +184,28 @@ class _Arrivals:
         return slot
 
 
+def input_transfer(offset: int, out_runs, in_runs, source: list[Tensor] | None, arrivals: _Arrivals, slot: int):
+    """``(sends, recvs, in_runs, arriving buffers)`` of one input transfer: rows ``out_runs`` of ``source``
+    towards ``+offset``, rows ``in_runs`` from ``-offset`` into ``arrivals``' slot ``slot``; nothing for
+    empty runs (both sides of a pair derive the same runs)."""
+    if out_runs and source is None:
+        raise AssertionError(f"rows {out_runs} must be sent, but none arrived here to send")
+    sends = [(offset, [_gather_rows(t, out_runs) for t in source])] if out_runs else []
+    arriving = arrivals.receive_buffers(slot, in_runs) if in_runs else None
+    return sends, [(-offset, arriving)] if in_runs else [], in_runs, arriving
+
+
+NO_TRANSFER = ([], [], (), None)
+
+
 def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, arrivals: _Arrivals):
-    """``(sends, recvs, arriving rows, arriving buffers)`` for compute step ``step``: this rank sends
-    its own rows that rank + step needs there, and receives what it needs of rank - step's.  Nothing
-    outside ``1 <= step < P``, and nothing for a pair whose rows are empty (both sides agree)."""
+    """:func:`input_transfer` for compute step ``step``: this rank sends its own rows that rank + step
+    needs there, and receives what it needs of rank - step's.  Nothing outside ``1 <= step < P``."""
     if not 1 <= step < ring.size:
-        return [], [], (), None
-    send_runs = rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank)
-    recv_runs = rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size)
-    sends = [(step, [_gather_rows(t, send_runs) for t in home])] if send_runs else []
-    arriving = arrivals.receive_buffers(step, recv_runs) if recv_runs else None
-    return sends, [(-step, arriving)] if recv_runs else [], recv_runs, arriving
+        return NO_TRANSFER
+    return input_transfer(step, rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank),
+                          rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size), home, arrivals,
+                          step)
 
 
 class _Accumulator:
@@ -391,7 +402,7 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
         if step == 0:
             partial = own_travelling_grads
         elif travelling is not None:  # what travelled here goes back, even where the data hide it all
-            partial = [torch.zeros(g.shape, dtype=ACC_DTYPE, device=g.device) for g in own_travelling_grads]
+            partial = fp32_zeros_like(own_travelling_grads)
         attend_backward(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask, scale,
                         data, recorder, step)
         wait(requests)
@@ -406,22 +417,30 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)
 
 
+def return_transfer(offset: int, out_runs, partial: list[Tensor] | None, in_runs, like: list[Tensor]):
+    """``(sends, recvs, (in_runs, buffers))`` of one gradient return: rows ``out_runs`` of ``partial`` towards
+    ``+offset`` (nothing when ``partial`` is None: no rows came), fp32 buffers shaped like ``like`` for rows
+    ``in_runs`` from ``-offset``."""
+    sends = [(offset, [_gather_rows(g, out_runs) for g in partial])] if partial is not None and out_runs else []
+    if not in_runs:
+        return sends, [], ((), None)
+    buffers = [_rows_buffer(g, in_runs, ACC_DTYPE) for g in like]
+    return sends, [(-offset, buffers)], (in_runs, buffers)
+
+
 def _return_transfers(ring: Ring, rows_between, step: int, partial: list[Tensor] | None, own_grads: list[Tensor]):
-    """``(sends, recvs, (rows, buffers) arriving)`` that return the travelling side's gradients of
-    compute step ``step`` (>= 1; nothing for 0): this rank sends ``partial``, the gradients of the rows it
-    received from rank - step, back there, and receives its own rows' gradients from rank + step.
-    ``partial`` is None exactly when no rows came (then none go back)."""
+    """:func:`return_transfer` of the travelling side's gradients of compute step ``step`` (>= 1; nothing for
+    0): this rank sends ``partial``, the gradients of the rows it received from rank - step, back there, and
+    receives its own rows' gradients from rank + step.  ``partial`` is None exactly when no rows came."""
     if step < 1:
         return [], [], ((), None)
-    sends = []
-    if partial is not None:
-        back_runs = rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size)
-        sends = [(-step, [_gather_rows(g, back_runs) for g in partial])]
-    own_runs = rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank)
-    if not own_runs:
-        return sends, [], ((), None)
-    buffers = [_rows_buffer(g, own_runs, ACC_DTYPE) for g in own_grads]
-    return sends, [(step, buffers)], (own_runs, buffers)
+    return return_transfer(-step, rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size), partial,
+                           rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank), own_grads)
+
+
+def fp32_zeros_like(like: list[Tensor]) -> list[Tensor]:
+    """Fresh fp32 gradient partials shaped like ``like``."""
+    return [torch.zeros(t.shape, dtype=ACC_DTYPE, device=t.device) for t in like]
 
 
 def _add_returned_(returned, own_grads: list[Tensor]) -> None:

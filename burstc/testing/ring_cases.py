@@ -7,7 +7,19 @@ import torch
 import torch.nn.functional as F
 
 from burstc import layout as layouts
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Documents, KeyPadding, MaskSpec
+
+
+def runtime_mask_data(mask: MaskSpec, batch: int, seq_len: int, seed: int, doc_start_probability: float) -> dict:
+    """The ``doc_ids`` / ``key_valid`` arguments for ``mask`` (None where it lacks the term): documents starting
+    at each token with ``doc_start_probability`` (and at 0), the last third of batch row 0 padding."""
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq_len, generator=generator) < doc_start_probability
+    starts[:, 0] = True
+    key_valid = torch.ones(batch, seq_len, dtype=torch.bool)
+    key_valid[0, seq_len - max(1, seq_len // 3):] = False
+    return {"doc_ids": starts.long().cumsum(1) if mask.term(Documents) else None,
+            "key_valid": key_valid if mask.term(KeyPadding) else None}
 
 
 def ring_attention_case(rank: int, world_size: int, mask: MaskSpec, layout: str, plan: str, seq_len: int,
