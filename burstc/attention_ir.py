@@ -27,6 +27,7 @@ executed.  :meth:`MaskSpec.visible` is the plain-torch reference for every term 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -315,6 +316,11 @@ def _combine(spec: MaskSpec, terms, mods) -> MaskSpec:
     return MaskSpec(spec.terms + tuple(terms), spec.score_mods + tuple(mods))
 
 
+# a fill at or below this absorbs every score a model produces (|s| < 1e22: below half an fp32 ulp of 1e30), so a
+# row whose every score is filled is exactly uniform
+UNIFORM_FILL_LIMIT = -1e30
+
+
 # -- one match per attention ----------------------------------------------------------------------------
 
 
@@ -348,6 +354,9 @@ class AttentionMatch:
     # row whose every key is hidden; -inf: NaN) where the ring op gives 0: exact only for calls without such
     # rows, which the backend checks per call (has_fully_hidden_rows)
     float_fill: bool = False
+    # the one value the model gives every hidden score (finfo.min, -inf), None when unknown or not one value
+    hidden_fill: float | None = None
+    fill_replaces: bool = False     # masked_fill replaces the hidden scores (else the fill is added to them)
 
     @property
     def mask_description(self) -> str:
@@ -361,6 +370,25 @@ class AttentionMatch:
         if self.heads_q is None or not self.kv_heads:
             return None
         return self.heads_q // self.kv_heads
+
+    @property
+    def hidden_rows(self) -> str | None:
+        """What this attention gives a query row that sees no key, as the ring op's ``hidden_rows``: ``"zero"``
+        (SDPA; no float fill), ``"uniform"`` (a finite fill added to the scores that absorbs every score,
+        ``<= UNIFORM_FILL_LIMIT``: fp32/bf16 ``finfo.min``, not fp16's; exact unless a score modification makes
+        the gradient per entry: a soft-cap — ALiBi's bias is a constant), ``"uniform_replaced"`` (a finite fill
+        that replaces the scores, ``masked_fill``), or None: no exact mode (``-inf``: NaN rows; mixed fills;
+        fp16's ``finfo.min``), such calls must run unsharded."""
+        if not self.float_fill:
+            return "zero"
+        fill = self.hidden_fill
+        if fill is None or not math.isfinite(fill):
+            return None
+        if self.fill_replaces:
+            return "uniform_replaced"
+        if fill <= UNIFORM_FILL_LIMIT and all(isinstance(mod, Alibi) for mod in self.mask.score_mods):
+            return "uniform"
+        return None
 
     @property
     def shardable(self) -> bool:
@@ -388,25 +416,33 @@ def document_ids(source: torch.Tensor, batch: int, ids: bool) -> torch.Tensor:
 
 def has_fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = None,
                           key_valid_BS: torch.Tensor | None = None) -> bool:
-    """Does some query row of this call see no key at all?  Only :class:`KeyPadding` can hide every key of a
-    row (the static terms and documents always leave the diagonal).  O(B * S): the keys a query may see form
-    one range (its window, within its document when documents are contiguous runs); the row is hidden when
-    that range holds no valid key.  Unsorted document ids (a document resuming later): answered exactly
-    through the dense ``[B, S, S]`` visibility, chunked by rows."""
+    """Does some query row of this call see no key at all?  (:func:`fully_hidden_rows`, any.)"""
+    hidden_BS = fully_hidden_rows(mask, doc_ids_BS=doc_ids_BS, key_valid_BS=key_valid_BS)
+    return hidden_BS is not None and bool(hidden_BS.any())
+
+
+def fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = None,
+                      key_valid_BS: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The query rows of this call that see no key at all (bool ``[B, S]``), or None when the mask can hide
+    none.  Only :class:`KeyPadding` can hide every key of a row (the static terms and documents always leave
+    the diagonal).  O(B * S): the keys a query may see form one range (its window, within its document when
+    documents are contiguous runs); the row is hidden when that range holds no valid key.  Unsorted document
+    ids (a document resuming later): answered exactly through the dense ``[B, S, S]`` visibility, chunked by
+    rows."""
     if key_valid_BS is None or mask.term(KeyPadding) is None:
-        return False
+        return None
     valid_BS = key_valid_BS.to(torch.bool)
     batch, seq = valid_BS.shape
     i = torch.arange(seq, device=valid_BS.device)
     window, documents = mask.term(SlidingWindow), mask.term(Documents)
     if documents is not None and doc_ids_BS is not None and not _documents_are_runs(doc_ids_BS):
+        hidden_BS = torch.zeros(batch, seq, dtype=torch.bool, device=valid_BS.device)
         for start in range(0, seq, 1024):  # unsorted ids: a document is not one run
             rows = i[start:start + 1024]
             visible = mask.visible(rows, i, q_docs=doc_ids_BS[:, start:start + 1024], kv_docs=doc_ids_BS,
                                    kv_valid=valid_BS)
-            if bool((~visible.any(-1)).any()):
-                return True
-        return False
+            hidden_BS[:, start:start + 1024] = ~visible.any(-1)
+        return hidden_BS
     lo = torch.zeros(batch, seq, dtype=torch.long, device=valid_BS.device)
     hi = i.expand(batch, seq).clone() if mask.term(Causal) is not None else torch.full_like(lo, seq - 1)
     if window is not None and window.left is not None:
@@ -423,7 +459,7 @@ def has_fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = N
         lo, hi = torch.maximum(lo, doc_start), torch.minimum(hi, doc_end)
     prefix = torch.nn.functional.pad(valid_BS.to(torch.long).cumsum(-1), (1, 0))
     count = prefix.gather(-1, hi + 1) - prefix.gather(-1, lo)
-    return bool((count == 0).any())
+    return count == 0
 
 
 def _documents_are_runs(doc_ids_BS: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ from burstc.attention_ir import AttentionMatch, KeyPadding, MaskSpec, SoftCap
 from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
                                        is_function, is_method, set_meta, val)
 from burstc.passes.flex_masks import flex_call, flex_match, is_flex_attention
-from burstc.passes.mask_classification import CODES, classify_mask  # noqa: F401  (CODES: the attention.* codes)
+from burstc.passes.mask_classification import CODES, classify_mask, hidden_fill  # noqa: F401  (CODES: attention.*)
 from burstc.refusals import Refusal
 
 KIND = "attention"
@@ -276,7 +276,7 @@ def _match_manual(gm, out_node):
     dtype = probs.kwargs.get("dtype", probs.args[2] if len(probs.args) > 2 else None)
     if dim not in (-1, 3) or len(probs.users) != 1 or dtype not in (None, torch.float32, torch.float64):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
-    scale, mask, softcap = 1.0, None, None
+    scale, mask, softcap, fill = 1.0, None, None, None
     node = scores
     upcast = is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))
     if upcast or is_method(node, "float"):
@@ -298,6 +298,7 @@ def _match_manual(gm, out_node):
             node = node.args[0]
         elif is_method(node, "masked_fill") and mask is None and softcap is None and _fill_value_masks(node):
             mask = ("filled", node.args[1])
+            fill = const_number(node.args[2])
             node = node.args[0]
             if scale != 1.0:
                 return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
@@ -316,7 +317,7 @@ def _match_manual(gm, out_node):
         return None
     if len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
         return None  # SDPA returns q's dtype: only when the manual attention does too
-    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs)
+    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill)
 
 
 def _manual_mask(gm, out_node, match):
@@ -385,7 +386,7 @@ def _manual_match(node, found, spec, refusal) -> AttentionMatch:
 
 def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> AttentionMatch | None:
     """Record the manual attention ``node``; when exact, canonicalize it to SDPA -> the SDPA's match or None."""
-    spec = MaskSpec.full()
+    spec, fill = MaskSpec.full(), None
     if found["mask"] is not None:
         reader, mask_node, style = _manual_mask(gm, node, found)
         spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]), memo=memo)
@@ -397,6 +398,8 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
     # (only key padding can do that: left padding) gets eager's uniform average over all keys (finfo.min) or
     # NaN (-inf), which SDPA (0 for such rows) does not compute: the attention stays as written
     float_fill = spec.term(KeyPadding) is not None
+    if float_fill:  # masked_fill's value, or the one value an additive mask hides with
+        fill = found["fill"] if style == "filled" else hidden_fill(gm, mask_node, reader, spec)
     if found["softcap"] is not None or float_fill:
         # SDPA can't express a score mod (nor a float fill's hidden rows): dropping the cap would be wrong
         # wherever the shard pass refuses the graph, so the manual nodes stay as written; the match (on
@@ -404,7 +407,8 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
         if found["softcap"] is not None:
             spec = spec & SoftCap(found["softcap"])
         context.facts.attention[node] = dataclasses.replace(_manual_match(node, found, spec, None),
-                                                            float_fill=float_fill)
+                                                            float_fill=float_fill, hidden_fill=fill,
+                                                            fill_replaces=float_fill and style == "filled")
         return None
     mask_kwargs, refusal = _manual_sdpa_mask(gm, node, found, spec, fake_mode)
     if refusal is not None:
@@ -442,7 +446,8 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             mask = sdpa_kwargs(node)["attn_mask"]
             if spec is not None and spec.term(KeyPadding) is not None and isinstance(mask, fx.Node) \
                     and val(mask) is not None and val(mask).is_floating_point():
-                match = dataclasses.replace(match, float_fill=True)  # an additive finfo.min / -inf mask
+                # an additive finfo.min / -inf mask
+                match = dataclasses.replace(match, float_fill=True, hidden_fill=hidden_fill(gm, mask, node, spec))
             context.facts.attention[node] = match
             if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
                 folded += origin == _FOLDED

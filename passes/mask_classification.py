@@ -350,6 +350,42 @@ def _classify_runtime_mask(gm, mask_node, style, consumer):
     return specs[0]
 
 
+def hidden_fill(gm, mask_node, consumer, spec: MaskSpec) -> float | None:
+    """The one value a float mask built from the inputs gives every score it hides (HF eager: ``finfo.min``;
+    or ``-inf``), read on the padding probes (left padding hides whole rows) -> that value, or None when the
+    hidden entries differ (a row hidden by two fills is not uniform) or can't be evaluated."""
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    padding, documents = spec.term(KeyPadding), spec.term(Documents)
+    if padding is None or padding.source not in placeholders:
+        return None
+    pad_node = placeholders[padding.source]
+    batch, seq = val(pad_node).shape
+    try:
+        length = evaluation_lengths(gm, mask_node, consumer, seq)[0]
+    except TooLarge:
+        return None
+    probe_seq = length.probe if length is not None else seq
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    values = {}
+    if documents is not None:
+        doc_node = placeholders.get(documents.source)
+        if doc_node is None:
+            return None
+        neutral = _DOCUMENT_ROLES["ids" if documents.ids else "positions"](batch, probe_seq, gen)[0]
+        values[doc_node] = neutral.to(val(doc_node).dtype)
+    fills = set()
+    for pad in _probe_padding(batch, probe_seq, gen):
+        try:
+            value = evaluate_constant(gm, mask_node, at=consumer, inputs={**values, pad_node: pad.to(val(pad_node).dtype)},
+                                      length=length)
+        except Exception:  # noqa: BLE001 - a probe the subgraph can't take
+            return None
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return None
+        fills.update(value[_hidden_by_value(value)].unique().tolist())
+    return fills.pop() if len(fills) == 1 else None
+
+
 def _probe_document_ids(batch: int, seq: int, gen: torch.Generator) -> list[torch.Tensor]:
     """Document ids as a model may take them (``[B, S]``): one document, sorted segments per row, unsorted
     small ids, one token per document."""

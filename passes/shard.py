@@ -187,9 +187,13 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         assert mask.ring_supported, mask
         with graph.inserting_before(node):
             doc_ids, key_valid = _runtime_mask_data(graph, mask, B, analyzer.padded_len, fake_mode, runtime_data)
+            # a model's float fill: its fully hidden rows get eager's uniform average (else calls with such rows
+            # run unsharded: _hidden_row_checks)
+            hidden_rows = match.hidden_rows if match is not None else "zero"
+            uniform_keys = analyzer.S if hidden_rows in ("uniform", "uniform_replaced") else 0
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, ring_groups, layout, mask.encode(), float(scale), plan_name,
-                                        doc_ids, key_valid))
+                                        doc_ids, key_valid, uniform_keys, hidden_rows == "uniform"))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
@@ -206,6 +210,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
             "bytes_over_bound": {k: round(x, 4) for k, x in chosen.over_bound.items()},
             "planner_choice": choice.plan,
             "work_max_over_mean": round(balance.max_over_mean, 4),
+            "hidden_rows": hidden_rows if hidden_rows != "zero" else None,
             **ring_details,
         }, module=module_path(node))
 
@@ -374,12 +379,13 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
 
 def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
     """``(mask, {runtime source: placeholder position})`` of every ring attention to be whose model fills hidden
-    scores with a float (its fully hidden query rows are not the ring op's zeros), one per distinct mask."""
+    scores with a float the ring op can't mirror (``AttentionMatch.hidden_rows`` None: -inf, a soft-cap, fp16),
+    one per distinct mask: a call whose data hide a whole row runs unsharded."""
     position = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     checks = {}
     for node in plan.attention:
         match = context.facts.attention.get(node)
-        if match is not None and match.float_fill:
+        if match is not None and match.hidden_rows is None:
             checks[match.mask] = {source: position[source] for source in match.mask.runtime_sources}
     return tuple(checks.items())
 

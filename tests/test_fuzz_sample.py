@@ -150,14 +150,14 @@ def test_reproducer_loads_its_case(tmp_path):
 
 # Found by the fuzzer, fixed: query rows with every key hidden (left padding: HF's shifted loss reads the last pad
 # position, which predicts the first real token).  Eager's finite fill (finfo.min) gives a uniform average over all
-# keys, where the ring op (and SDPA) give 0: such attention stays as written, and a call with such a row runs the
-# unsharded graph (pipeline.hidden_rows_fallback).
+# keys, where SDPA gives 0: such attention stays as written, and the ring op that replaces it computes eager's
+# uniform rows (hidden_rows="uniform"; burstc/ops/hidden_rows.py).
 FULLY_HIDDEN_ROWS = {
     "hf_llama_eager_left_padded_sharded": Case(
         model=HFSpec(config_name="LlamaConfig", impl="eager"),
         inputs=InputSpec(batch=2, seq=16, padding="left", pad_lengths=(5, 0)), world_size=2,
         options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "auto"))),
-    "manual_finfo_min_left_padded_replicated": Case(
+    "manual_finfo_min_left_padded": Case(
         model=ModelSpec(attention="manual", key_padding=True, mask_fill="finfo.min", positions="none", mlp="none",
                         loss="ce_shift"),
         inputs=InputSpec(batch=1, seq=15, padding="left", pad_lengths=(5,)), world_size=2,

@@ -112,13 +112,27 @@ def test_document_ids_a_model_compares_itself(workers):
     assert [m.split(" ")[0] for m in results[0]["attention_masks"]] == ["causal&document_ids(l_doc_ids_)"]
 
 
-@pytest.mark.parametrize("loss_fn, falls_back", [(zoo.hf_loss_with_padding, False), (zoo.hf_loss_left_padded, True)],
-                         ids=["right_padded_sharded", "left_padded_falls_back"])
-def test_eager_key_padding_with_fully_hidden_rows(workers, loss_fn, falls_back):
+HIDDEN_ROW_CASES = {
+    # HF eager adds finfo.min: a left-padded row's pads see only pads, and get eager's uniform average over all
+    # keys with the gradients of a uniform softmax (the ring op's hidden_rows="uniform"): sharded
+    "llama_right_padded": ("LlamaConfig", {}, zoo.hf_loss_with_padding, "uniform", False),
+    "llama_left_padded": ("LlamaConfig", {}, zoo.hf_loss_left_padded, "uniform", False),
+    "qwen2_gqa_left_padded": ("Qwen2Config", {}, zoo.hf_loss_left_padded, "uniform", False),
+    # Gemma-2 soft-caps before adding the mask: the gradient through a hidden row's scores is per entry
+    # (1 - tanh^2), not a uniform softmax's: calls with such rows still run the unsharded graph (exact)
+    "gemma2_softcap_left_padded": ("Gemma2Config", {"sliding_window": 8}, zoo.hf_loss_left_padded, None, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HIDDEN_ROW_CASES))
+def test_eager_key_padding_with_fully_hidden_rows(workers, case):
     """HF eager fills padded scores with finfo.min: a query row whose every key is padding (left padding) gets
-    eager's uniform average over all keys, which the ring op does not compute.  Right padding never hides a
-    whole row: sharded.  Left padding does: that call runs the unsharded graph (exact), with a report line."""
-    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, "LlamaConfig", "eager"),
+    eager's uniform average over all keys.  The ring op computes it (sharded, exact) unless a soft-cap bends the
+    gradient per entry; then a call with such a row runs the unsharded graph (exact), with a report line."""
+    config_name, overrides, loss_fn, hidden_rows, falls_back = HIDDEN_ROW_CASES[case]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers has no {config_name}")
+    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, config_name, "eager", **overrides),
                                 zoo.hf_arch_batch_inputs, loss_fn, world_size=2, group=workers.get(2),
                                 backend="aot_eager", expect_sharded=True, timeout=300)
     assert ("pipeline.hidden_rows_fallback" in results[0]["skip_codes"]) == falls_back, results[0]["skipped"]
@@ -126,5 +140,6 @@ def test_eager_key_padding_with_fully_hidden_rows(workers, loss_fn, falls_back):
         summary = next(line for line in results[0]["report"].splitlines() if line.startswith("graph 1:"))
         assert "replicated on 2 ranks" in summary and "the calls of graph 0 with a query row whose every key is " \
             "hidden" in summary, results[0]["report"]
+    assert set(results[0]["hidden_rows"]) == {hidden_rows}, results[0]["hidden_rows"]
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
-    assert masks == {"causal&key_padding"}, results[0]["attention_masks"]
+    assert all(m.startswith("causal") and "key_padding" in m for m in masks), results[0]["attention_masks"]

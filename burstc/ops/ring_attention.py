@@ -36,6 +36,7 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec
 from burstc.layout import check_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 from burstc.block_geometry import check_executable
+from burstc.ops.hidden_rows import add_uniform_rows_, local_hidden_rows, uniform_rows_grads
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, resolve_group
 from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_backward, ring_forward
@@ -83,8 +84,12 @@ def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing | UlyssesRing:
 
 
 # Explicit schemas: ``str[]`` (one group name per sequence-parallel mesh dim) is not inferred from hints.
-# The runtime mask data come last, defaulting to None: a static-mask call reads as before.
-_MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None"
+# The runtime mask data come last, defaulting to None: a static-mask call reads as before.  ``uniform_rows_keys``
+# n > 0: a query row whose every key is hidden gets eager's uniform average over the first n keys (a model that
+# fills hidden scores with finfo.min; :mod:`burstc.ops.hidden_rows`), not 0; ``uniform_rows_score_grad`` False: the
+# model replaced those scores (masked_fill), so q and k get no gradient through them.
+_MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None, int uniform_rows_keys=0, " \
+                  "bool uniform_rows_score_grad=True"
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
                   f" {_MASK_DATA_ARGS}) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
@@ -128,15 +133,30 @@ def _mask_data(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None,
 @without_autocast
 def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_names: list[str], layout: str, mask: str,
                                scale: float, plan: str, doc_ids: Tensor | None = None,
-                               key_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                               key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
+                               uniform_rows_score_grad: bool = True) -> tuple[Tensor, Tensor]:
     # ``plan`` is unused here; it rides along so that the autograd context has it.
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
-    return ring_forward(q, k, v, ring, layout, spec, scale, data)
+    out, lse = ring_forward(q, k, v, ring, layout, spec, scale, data)
+    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
+    if rows is not None:
+        add_uniform_rows_(out, v, rows, uniform_rows_keys, ring)
+    return out, lse
+
+
+def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, local_len: int):
+    """This rank's rows of eager's uniform hidden rows (``uniform_rows_keys``) for this call, or None."""
+    if keys <= 0:
+        return None
+    if not 0 < keys <= local_len * ring.size:
+        raise ValueError(f"uniform_rows_keys must be in (0, {local_len * ring.size}], got {keys}")
+    return local_hidden_rows(spec, data.doc_ids_BS, data.key_valid_BS, keys, layout, ring.rank, ring.size, local_len)
 
 
 @_ring_attention_forward_op.register_fake
-def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None):
+def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None, uniform_rows_keys=0,
+      uniform_rows_score_grad=True):
     batch, heads_q, local_len, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, local_len), dtype=ACC_DTYPE)
 
@@ -146,30 +166,38 @@ def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=N
 def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
                                 scale: float, plan: str, doc_ids: Tensor | None = None,
-                                key_valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                                key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
+                                uniform_rows_score_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
-    return ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse, ring, layout,
-                         spec, scale, data)
+    grads = ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse,
+                          ring, layout, spec, scale, data)
+    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
+    if rows is None:
+        return grads
+    shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring, uniform_rows_score_grad)
+    return tuple(g if share is None else (g.to(ACC_DTYPE) + share).to(g.dtype) for g, share in zip(grads, shares))
 
 
 @_ring_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None):
+def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None,
+      uniform_rows_keys=0, uniform_rows_score_grad=True):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *config, doc_ids, key_valid = inputs
+    q, k, v, *config, doc_ids, key_valid, uniform_rows_keys, uniform_rows_score_grad = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid)
     ctx.config = tuple(config)  # (group_names, layout, mask, scale, plan)
+    ctx.uniform_rows = (uniform_rows_keys, uniform_rows_score_grad)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, doc_ids, key_valid = ctx.saved_tensors
     dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config,
-                                                          doc_ids, key_valid)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                                          doc_ids, key_valid, *ctx.uniform_rows)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _ring_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -182,6 +210,9 @@ register_lower_precision(_ring_attention_forward_op, (0, 1, 2))
 
 
 RING_KINDS = ("auto", "flat", "double", "ulysses")
+# what a query row that sees no key gets: SDPA's 0, or eager's uniform average over every key, its scores added to
+# (an additive finfo.min mask: the scores keep their gradient) or replaced (masked_fill: no gradient to q and k)
+HIDDEN_ROWS = ("zero", "uniform", "uniform_replaced")
 
 
 def resolve_ring_groups(group_or_mesh=None, ring: str = "auto") -> tuple[list[str], int]:
@@ -260,7 +291,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: str, plan: str) -> No
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
                             mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
                             scale: float | None = None, doc_ids: Tensor | None = None,
-                            key_valid: Tensor | None = None, ring: str = "auto") -> tuple[Tensor, Tensor]:
+                            key_valid: Tensor | None = None, ring: str = "auto",
+                            hidden_rows: str = "zero") -> tuple[Tensor, Tensor]:
     """Ring attention over ``group_or_mesh``; returns ``(out [B, Hq, S_local, D] in q.dtype,
     lse [B, Hq, S_local] fp32)`` (natural log of the scaled scores).  Both are differentiable.
 
@@ -270,13 +302,22 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
     ``Documents`` / ``KeyPadding`` with their data: ``doc_ids`` integer and ``key_valid`` bool, both
     ``[B, S_global]`` over the whole sequence in global order, given exactly when the spec has the
     term).  ``plan`` picks the backward (``"kv_ring"``, ``"burst"`` or ``"auto"``: the planner's
-    cheaper one).  A query row that sees nothing gets out 0, lse -inf, zero gradients (as SDPA).
+    cheaper one).  A query row that sees nothing gets out 0, lse -inf, zero gradients (as SDPA;
+    ``hidden_rows="zero"``), or with ``hidden_rows="uniform"`` (only with a ``KeyPadding`` term) the mean of V
+    over every key, with the gradients of a uniform softmax: what a model that fills hidden scores with
+    ``finfo.min`` computes (HF eager attention; :mod:`burstc.ops.hidden_rows`), its lse staying -inf;
+    ``"uniform_replaced"``: the same output for a model that replaces the hidden scores (``masked_fill``), whose
+    q and k then get no gradient through them.
     ``group_or_mesh`` may be a 2-D mesh (nodes x ranks per node; tokens in its node-major order): ``ring``
     picks a ``"double"`` ring (the default there, :mod:`burstc.ops.double_ring`), a ``"flat"`` one, or
     ``"ulysses"`` (all-to-all inside a node, a ring across nodes: :mod:`burstc.ops.ulysses`).
     """
     mask = _resolve_mask(causal, mask)
     _check_data_present(mask, doc_ids, key_valid)
+    if hidden_rows not in HIDDEN_ROWS:
+        raise ValueError(f"hidden_rows must be one of {HIDDEN_ROWS}, got {hidden_rows!r}")
+    if hidden_rows != "zero" and mask.term(KeyPadding) is None:
+        raise ValueError(f"hidden_rows={hidden_rows!r} needs a KeyPadding term: no other term hides a whole row")
     q, k, v = cast_like_lower_precision((q, k, v), q.device.type)  # as SDPA under torch.autocast
     _check_inputs(q, k, v, layout, plan)
     group_names, world_size = resolve_ring_groups(group_or_mesh, ring)
@@ -289,15 +330,17 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
             resolve_group(group_names[2])))
         if problem:
             raise ValueError(f"ring='ulysses': {problem}")
+    uniform_rows_keys = q.shape[2] * world_size if hidden_rows != "zero" else 0
     return torch.ops.burstc.ring_attention_forward(q, k, v, group_names, layout, mask.encode(), scale, plan,
-                                                   doc_ids, key_valid)
+                                                   doc_ids, key_valid, uniform_rows_keys, hidden_rows == "uniform")
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
                    mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
                    scale: float | None = None, doc_ids: Tensor | None = None,
-                   key_valid: Tensor | None = None, ring: str = "auto") -> Tensor:
+                   key_valid: Tensor | None = None, ring: str = "auto", hidden_rows: str = "zero") -> Tensor:
     """Like :func:`ring_attention_with_lse`, returning only the output."""
     out, _ = ring_attention_with_lse(q, k, v, group_or_mesh=group_or_mesh, causal=causal, mask=mask, layout=layout,
-                                     plan=plan, scale=scale, doc_ids=doc_ids, key_valid=key_valid, ring=ring)
+                                     plan=plan, scale=scale, doc_ids=doc_ids, key_valid=key_valid, ring=ring,
+                                     hidden_rows=hidden_rows)
     return out

@@ -1,0 +1,122 @@
+"""Eager's answer for a query row whose every key is hidden: the uniform average over all keys.
+
+A model that hides scores by adding (or ``masked_fill``-ing) a huge finite number — HF's eager attention adds
+``finfo.min`` — gives a query row whose every key is hidden (left padding: the pad positions before a row's first
+real token) ``s + fill == fill`` for every key: the score is lost to rounding and the softmax is exactly uniform,
+so the row's output is the mean of V over all ``n`` keys.  Autograd still differentiates through the addition, so
+eager's gradients are those of a uniform softmax (``P_ij = 1/n``, ``D_i = dO_i . out_i``):
+
+    out_i = vbar = vsum / n                                   vsum = sum_j v_j
+    dq_i  = scale/n * (dO_i @ M - (dO_i . vbar) ksum)         M = sum_j v_j k_j^T,  ksum = sum_j k_j
+    dk_j += scale/n * N (v_j - vbar)                          N = sum_i q_i dO_i^T (hidden rows i)
+    dv_j += dosum / n                                         dosum = sum_i dO_i (hidden rows i)
+
+per batch row and KV head (a GQA group's query heads summed into its KV head), j over every key.  The ring op
+computes the other rows and gives hidden rows out 0 and no gradient; these functions add the hidden rows' share.
+Every sum is at most ``[B, Hkv, D, D]``, so one all-reduce over the sequence group gives each rank the whole
+sequence's — no ring, no ``[S, S]`` — and only for calls whose data hide a row (decided from the replicated
+mask data, identically on every rank: every rank joins the all-reduce or none does).
+
+A model that *replaces* hidden scores (``scores.masked_fill(hidden, fill)``) gets the same uniform output for any
+finite fill, but no gradient reaches q and k through the replaced scores: only the dv share applies.
+
+Exact only where ``s + fill == fill`` for every score: the caller checks the fill (finite, ``<= -1e30``: ``AttentionMatch.uniform_hidden_rows``) and that
+no score modification bends the gradient per entry (a soft-cap's ``1 - tanh^2`` is not low-rank).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from burstc.attention_ir import MaskSpec, document_ids_for_batch, fully_hidden_rows
+from burstc.errors import wait_for_peer
+from burstc.layout import local_positions
+from burstc.ops.lse_merge import ACC_DTYPE
+from burstc.ops.ring_comm import Ring
+
+
+def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None, keys: int, layout: str,
+                      rank: int, size: int, local_len: int) -> tuple[Tensor, Tensor] | None:
+    """``(hidden_BL, real_L)``: this rank's query rows that see no key (bool ``[B, L]``, in local order) and its
+    rows that are real keys (global position < ``keys``: not a layout pad); None when no row of the call (on any
+    rank) is hidden."""
+    docs = None if doc_ids is None else document_ids_for_batch(doc_ids, doc_ids.shape[0])
+    hidden_BS = fully_hidden_rows(mask, doc_ids_BS=docs, key_valid_BS=key_valid)
+    if hidden_BS is None:
+        return None
+    hidden_BS = hidden_BS[:, :keys]  # a layout pad's own row is not the model's
+    if not bool(hidden_BS.any()):
+        return None
+    positions = local_positions(local_len * size, size, rank, layout, device=hidden_BS.device)
+    real_L = positions < keys
+    hidden_BL = torch.zeros(hidden_BS.shape[0], local_len, dtype=torch.bool, device=hidden_BS.device)
+    hidden_BL[:, real_L] = hidden_BS[:, positions[real_L]]
+    return hidden_BL, real_L
+
+
+def _group_sum(x_BH: Tensor, kv_heads: int) -> Tensor:
+    """Sum a GQA group's query heads (dim 1) into its KV head."""
+    return x_BH.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+def _per_query_head(x_BK: Tensor, heads_q: int) -> Tensor:
+    return x_BK.repeat_interleave(heads_q // x_BK.shape[1], dim=1)
+
+
+def all_reduce_sequence(tensor: Tensor, ring, what: str) -> Tensor:
+    """Sum ``tensor`` in place over every rank of the sequence-parallel ``ring`` (a flat ring's group, or a
+    node's ranks then the lanes across nodes), each wait bounded by the ring's timeout."""
+    if isinstance(ring, Ring):
+        rings = [ring]
+    else:  # TwoLevelRing (two Rings) or UlyssesRing (its intra-node all-to-all group, an inter-node Ring)
+        rings = [ring.intra if isinstance(ring.intra, Ring) else Ring(ring.intra), ring.inter]
+    for part in rings:
+        wait_for_peer(dist.all_reduce(tensor, group=part.group, async_op=True), part.timeout_s,
+                      f"burstc {what}: rank {dist.get_rank()} waited for the other ranks of its sequence group",
+                      "Every rank of the mesh must call the compiled model, with the same batch")
+    return tensor
+
+
+def add_uniform_rows_(out_BHLD: Tensor, v_BKLD: Tensor, rows: tuple[Tensor, Tensor], keys: int, ring) -> None:
+    """Forward: give the hidden rows of ``out`` (the ring op's zeros) the mean of V over all ``keys`` keys."""
+    hidden_BL, real_L = rows
+    vsum_BKD = v_BKLD[:, :, real_L].to(ACC_DTYPE).sum(2)
+    all_reduce_sequence(vsum_BKD, ring, "uniform hidden rows (forward)")
+    vbar_BHD = _per_query_head(vsum_BKD / keys, out_BHLD.shape[1]).to(out_BHLD.dtype)
+    where_BHLD = hidden_BL[:, None, :, None].expand_as(out_BHLD)
+    out_BHLD.copy_(torch.where(where_BHLD, vbar_BHD[:, :, None, :].expand_as(out_BHLD), out_BHLD))
+
+
+def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor,
+                       rows: tuple[Tensor, Tensor], keys: int, scale: float, ring, score_grad: bool = True
+                       ) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """Backward: the hidden rows' share of ``(dq, dk, dv)`` (fp32, to add to the ring op's), by the formulas
+    above; one all-reduce of ``[M, ksum, vsum, N, dosum]``.  ``score_grad=False``: the model replaced the hidden
+    scores (``masked_fill``) instead of adding to them, so no gradient reaches q and k through them: dv only
+    (dq and dk shares None)."""
+    hidden_BL, real_L = rows
+    kv_heads, heads_q = k_BKLD.shape[1], q_BHLD.shape[1]
+    real = real_L.to(ACC_DTYPE)[None, None, :, None]
+    do_BHLD = grad_out_BHLD.to(ACC_DTYPE) * hidden_BL[:, None, :, None].to(ACC_DTYPE)
+    sums = [_group_sum(do_BHLD.sum(2), kv_heads)]
+    if score_grad:
+        k32, v32 = k_BKLD.to(ACC_DTYPE) * real, v_BKLD.to(ACC_DTYPE) * real
+        m_BKDD = torch.einsum("bkjv,bkjd->bkvd", v32, k32)
+        n_BKDD = _group_sum(torch.einsum("bhid,bhiv->bhdv", q_BHLD.to(ACC_DTYPE), do_BHLD), kv_heads)
+        sums += [m_BKDD, k32.sum(2), v32.sum(2), n_BKDD]
+    packed = all_reduce_sequence(torch.cat([s.flatten(2) for s in sums], dim=2), ring,
+                                 "uniform hidden rows (backward)")
+    dosum_BKD, *score_sums = (
+        part.reshape(s.shape) for part, s in zip(packed.split([s[0, 0].numel() for s in sums], dim=2), sums))
+    dv = (dosum_BKD / keys)[:, :, None, :] * real
+    if not score_grad:
+        return None, None, dv
+    m_BKDD, ksum_BKD, vsum_BKD, n_BKDD = score_sums
+    vbar_BKD = vsum_BKD / keys
+    factor = scale / keys
+    dot_BHL = torch.einsum("bhiv,bhv->bhi", do_BHLD, _per_query_head(vbar_BKD, heads_q))
+    dq = factor * (torch.einsum("bhiv,bhvd->bhid", do_BHLD, _per_query_head(m_BKDD, heads_q))
+                   - dot_BHL[..., None] * _per_query_head(ksum_BKD, heads_q)[:, :, None, :])
+    dk = factor * torch.einsum("bkdv,bkjv->bkjd", n_BKDD, v32 - vbar_BKD[:, :, None, :]) * real
+    return dq, dk, dv
