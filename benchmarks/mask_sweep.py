@@ -8,7 +8,8 @@ Each cell: ``sharded`` (exact, the graph sequence-parallel, with the masks the r
 (exact, replicated, the first refusal code), ``mismatch`` (a wrong loss or gradient: a bug) or ``error: ...``
 (the model itself fails, e.g. an implementation the architecture lacks).  Inputs: ``plain`` = input_ids and
 labels; ``packed`` = restarting position_ids (3 documents per row); ``padded`` = batch 2, the second row's last 12
-tokens padding (attention_mask).
+tokens padding (attention_mask); ``left_padded`` = the same rows padded on the left (rows whose every key is
+padding: under eager's finfo.min fill they average all keys).
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ import torch
 from burstc.testing import WorkerGroup, assert_equivalent, zoo
 
 ARCHITECTURES = list(zoo.HF_ARCHITECTURES)
-LOSSES = {"plain": zoo.hf_loss_no_cache, "packed": zoo.hf_loss_packed, "padded": zoo.hf_loss_with_padding}
-INPUTS = {"plain": zoo.hf_arch_inputs, "packed": zoo.hf_arch_inputs, "padded": zoo.hf_arch_batch_inputs}
+LOSSES = {"plain": zoo.hf_loss_no_cache, "packed": zoo.hf_loss_packed, "padded": zoo.hf_loss_with_padding,
+          "left_padded": zoo.hf_loss_left_padded}
+INPUTS = {"plain": zoo.hf_arch_inputs, "packed": zoo.hf_arch_inputs, "padded": zoo.hf_arch_batch_inputs,
+          "left_padded": zoo.hf_arch_batch_inputs}
 
 
 def cell(group, world_size, config_name, impl, kind) -> str:

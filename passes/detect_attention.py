@@ -267,7 +267,7 @@ def _match_manual(gm, out_node):
     if not (is_function(out_node, *_MATMUL) and len(out_node.args) == 2):
         return None
     probs, v = out_node.args
-    while is_method(probs, "to", "type_as", "float") or (is_function(probs, F.dropout) and not _dropout_active(probs)):
+    while is_method(probs, "to", "type", "type_as", "float") or (is_function(probs, F.dropout) and not _dropout_active(probs)):
         probs = probs.args[0]
     if is_function(probs, *_SOFTMAX) or is_method(probs, "softmax"):
         scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)

@@ -23,6 +23,8 @@ CASES = {
     "qwen2_window_sdpa": ("Qwen2Config", "sdpa", {"sliding_window": 8, "use_sliding_window": True,
                                                   "max_window_layers": 0}, {"causal&window(7,-)"}),
     "llama_eager": ("LlamaConfig", "eager", {}, {"causal"}),
+    # GPT-2's own eager attention: softmax(...).type(v.dtype)
+    "gpt2_eager": ("GPT2Config", "eager", {}, {"causal"}),
     # Gemma-2 as shipped: eager, scores soft-capped at 50, sliding and global layers alternating
     "gemma2_softcap_alternating": ("Gemma2Config", "eager", {"sliding_window": 8},
                                    {"causal&window(7,-)&softcap(50.0)", "causal&softcap(50.0)"}),
