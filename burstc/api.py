@@ -103,10 +103,11 @@ def compile(model, mesh=None, **options):
     world_size = seq.size if seq is not None else 1
     mesh = seq.flat if seq is not None else None
     if world_size > 1:
-        from burstc.ops.ring_comm import set_wait_timeout
+        from burstc.ops.ring_comm import bound_reductions, set_wait_timeout
 
         for name in {mesh.get_group().group_name, *seq.ring_groups}:
             set_wait_timeout(name, config.timeout)
+        bound_reductions(mesh.get_group(), config.timeout)
     if world_size > 1 and config.sync_module_states and isinstance(model, torch.nn.Module):
         broadcast_module_states(model, mesh)
     report = Report(config, world_size=world_size)

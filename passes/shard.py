@@ -34,7 +34,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.ops.ring_comm import UlyssesRing
+from burstc.ops.ring_comm import UlyssesRing, reduction_group
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids
 from burstc.layout import required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
@@ -243,7 +243,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
                 total = graph.call_function(torch.ops.burstc.gather_seq.default,
                                             (node, d, group_name, layout, analyzer.S))
             else:
-                total = graph.call_function(loss_all_reduce, (node, group_name))
+                total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
         node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
@@ -260,7 +260,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
             if node.op == "placeholder" and placeholder_kind(node) == "parameter" and val(node) is not None \
                     and val(node).requires_grad and node.users:
                 with graph.inserting_after(node):
-                    synced = graph.call_function(grad_all_reduce, (node, group_name))
+                    synced = graph.call_function(grad_all_reduce, (node, reduction_group(group_name)))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
     return gathered, tuple(plans), tuple(rings)
 

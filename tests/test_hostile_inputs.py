@@ -195,6 +195,51 @@ def stalled_peer_task(rank, world_size, check_inputs, timeout_s):
     return {"error": None, "waited_s": time.monotonic() - start}
 
 
+class _LossOnly(torch.nn.Module):
+    """An embedding and an LM head, no attention: the only collective of the forward is the loss all-reduce
+    (a functional collective, waited by torch with its group's timeout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(97, 16), torch.nn.Linear(16, 97)
+
+    def forward(self, tokens, labels):
+        return F.cross_entropy(self.head(self.embed(tokens)).flatten(0, 1), labels.flatten())
+
+
+def stalled_reduction_task(rank, world_size, keep_logits, timeout_s):
+    """Rank 1 stalls; rank 0 waits in the loss's collectives (the fused loss's all-reduce; with ``keep_logits`` the
+    unfused cross-entropy's): bounded by ``timeout=`` too, not by the group's own 60 s."""
+    torch._dynamo.reset()
+    group, mesh = _subgroup_mesh(world_size, 60)
+    torch.manual_seed(0)
+    cmodel = burstc.compile(_LossOnly(), mesh, backend="aot_eager", check_inputs=False, timeout=timeout_s,
+                            keep_logits=keep_logits)
+    tokens = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(1))
+    cmodel(tokens, tokens).backward()  # one good step on both ranks
+    kinds = [r.kind for r in burstc.report(cmodel).rewrites]
+    dist.barrier()
+    if rank == 1:
+        time.sleep(timeout_s + 4)
+        return {"stalled": True}
+    start = time.monotonic()
+    try:
+        cmodel(tokens, tokens).backward()
+    except Exception as error:  # noqa: BLE001 - gloo's timeout error, or burstc's PeerTimeout
+        return {"error": f"{type(error).__name__}: {error}", "waited_s": time.monotonic() - start, "kinds": kinds}
+    return {"error": None, "waited_s": time.monotonic() - start, "kinds": kinds}
+
+
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["fused_loss", "unfused_loss"])
+def test_stalled_peer_bounds_the_loss_reductions_too(workers, keep_logits):
+    timeout_s = 3.0
+    results = workers.get(2).run(stalled_reduction_task, keep_logits, timeout_s, timeout=90)
+    assert results[1] == {"stalled": True}
+    assert "shard" in results[0]["kinds"], results[0]
+    assert results[0]["error"] is not None, f"no error after {results[0]['waited_s']:.1f} s"
+    assert results[0]["waited_s"] < timeout_s + 3.0, results[0]
+
+
 def logs_task(rank, world_size, out_dir):
     """BURSTC_LOGS on every rank: each line once, with the rank; BURSTC_LOGS_DIR files per rank."""
     import os

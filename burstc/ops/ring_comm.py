@@ -33,6 +33,41 @@ def set_wait_timeout(group_name: str, seconds: float | None) -> None:
         _WAIT_TIMEOUT_S[group_name] = float(seconds)
 
 
+def wait_timeout(group_name: str) -> float | None:
+    """The bound :func:`set_wait_timeout` put on waits over ``group_name`` (None: the group's own timeout)."""
+    return _WAIT_TIMEOUT_S.get(group_name)
+
+
+# group name -> the name of a group over the same ranks whose own timeout is burstc's ``timeout=``: the loss and
+# gradient all-reduces (functional collectives, waited by torch with the group's timeout) run on it
+_REDUCTION_GROUPS: dict[str, str] = {}
+_BOUNDED_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def bound_reductions(group: dist.ProcessGroup, seconds: float | None) -> None:
+    """Make the sum all-reduces that burstc inserts for ``group`` (:func:`reduction_group`) wait at most
+    ``seconds`` for a peer (``None``: the group's own timeout).  Torch waits for a functional collective with
+    its group's timeout, which a group can't change per call: a group over the same ranks with that timeout
+    is created once (only those ranks call this: ``use_local_synchronization``) and used instead.  Sums don't
+    depend on the ranks' order, so the new group's order doesn't matter."""
+    if seconds is None:
+        _REDUCTION_GROUPS.pop(group.group_name, None)
+        return
+    import datetime
+
+    key = (group.group_name, float(seconds))  # per parent group: a group a timeout broke is not reused elsewhere
+    if key not in _BOUNDED_GROUPS:
+        _BOUNDED_GROUPS[key] = dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
+                                              timeout=datetime.timedelta(seconds=seconds),
+                                              use_local_synchronization=True)
+    _REDUCTION_GROUPS[group.group_name] = _BOUNDED_GROUPS[key].group_name
+
+
+def reduction_group(group_name: str) -> str:
+    """The group burstc's loss and gradient all-reduces over ``group_name`` run on (:func:`bound_reductions`)."""
+    return _REDUCTION_GROUPS.get(group_name, group_name)
+
+
 class SendRecorder(Protocol):
     def sent(self, step: int, tensors: Sequence[Tensor], link: str = "ring") -> None: ...
 

@@ -20,7 +20,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from burstc.errors import wait_for_peer
 from burstc.layout import local_positions
+from burstc.ops.ring_comm import wait_timeout
 
 
 def _positions(group_name: str, seq_len: int, layout: str, device) -> Tensor:
@@ -94,7 +96,9 @@ def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int 
     world = dist.get_world_size(group)
     local = x.movedim(dim, 0).contiguous()
     chunks = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(chunks, local, group=group)
+    wait_for_peer(dist.all_gather(chunks, local, group=group, async_op=True), wait_timeout(group_name),
+                  f"burstc gather_seq: rank {dist.get_rank()} waited for the other ranks of its sequence group",
+                  "Every rank of the mesh must call the compiled model, with the same batch")
     full_len = local.shape[0] * world
     positions = torch.cat([local_positions(full_len, world, r, layout, device=x.device) for r in range(world)])
     full = torch.empty((full_len,) + tuple(local.shape[1:]), dtype=x.dtype, device=x.device)
