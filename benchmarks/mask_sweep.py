@@ -40,6 +40,8 @@ def cell(group, world_size, config_name, impl, kind) -> str:
     except Exception as why:  # noqa: BLE001 - the model itself can't run this way: say so, go on
         return f"error: {type(why).__name__}: {str(why).splitlines()[0][:100] if str(why) else ''}"
     result = results[0]
+    if "pipeline.hidden_rows_fallback" in result["skip_codes"]:
+        return "refused: pipeline.hidden_rows_fallback"  # this call's hidden rows ran the unsharded graph
     if "shard" in [k for k, _ in result["rewrites"]]:
         masks = sorted({m.split(" ")[0].split("(")[0] if "(" in m.split(" ")[0] and "&" not in m.split(" ")[0]
                         else m.split(" ")[0] for m in result["attention_masks"]})
