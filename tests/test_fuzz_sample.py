@@ -111,6 +111,29 @@ def test_classify_flags_every_failure():
     assert classify(case, [crashed]).kind == "crash"
 
 
+def test_classify_forgives_only_what_the_fp64_truth_shows_right():
+    """A gradient over the fp32 tolerance vs eager is right when it is as close to the fp64 truth as eager is
+    (x TRUTH_FACTOR) or within TRUTH_ULPS ulps of the largest true gradient; a wrong one stays a mismatch."""
+    from burstc.testing.fuzz import TRUTH_FACTOR, TRUTH_ULPS
+
+    case = Case(model=ModelSpec(), inputs=InputSpec(), world_size=2)
+    ulp = torch.finfo(torch.float32).eps
+
+    def result(burstc_error, eager_error):
+        r = _rank_result({"loss": 0.0, "grad:key_bias": 3e-4})  # 30x the tolerance vs eager
+        r["runs"][0]["grad_errors_vs_truth"] = {"key_bias": burstc_error}
+        r["eager_grad_errors_vs_truth"] = {"key_bias": eager_error}
+        r["truth_grad_scale"] = 1.0
+        return r
+
+    assert classify(case, [result(2e-7, 1e-7)]).kind == "rewritten"                      # noise, like eager's
+    assert classify(case, [result(TRUTH_ULPS * ulp * 0.9, 0.0)]).kind == "rewritten"      # a few ulps of the max
+    assert classify(case, [result(1e-3, 1e-7)]).kind == "mismatch"                        # really wrong
+    assert classify(case, [result(TRUTH_FACTOR * 1e-5 * 1.1, 1e-5)]).kind == "mismatch"   # worse than eager x4
+    no_truth = _rank_result({"loss": 0.0, "grad:key_bias": 3e-4})                         # no fp64 run: fp32 rules
+    assert classify(case, [no_truth]).kind == "mismatch"
+
+
 class _PlantedPool:
     """A stand-in worker pool whose cases 'mismatch' exactly when the model has QK-norm (a planted bug)."""
 
