@@ -276,7 +276,7 @@ def _match_manual(gm, out_node):
     dtype = probs.kwargs.get("dtype", probs.args[2] if len(probs.args) > 2 else None)
     if dim not in (-1, 3) or len(probs.users) != 1 or dtype not in (None, torch.float32, torch.float64):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
-    scale, mask, softcap, fill = 1.0, None, None, None
+    scale, mask, softcap, fill, bias, fill_node = 1.0, None, None, None, None, None
     node = scores
     upcast = is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))
     if upcast or is_method(node, "float"):
@@ -298,12 +298,19 @@ def _match_manual(gm, out_node):
             node = node.args[0]
         elif is_method(node, "masked_fill") and mask is None and softcap is None and _fill_value_masks(node):
             mask = ("filled", node.args[1])
-            fill = const_number(node.args[2])
+            fill, fill_node = const_number(node.args[2]), node
             node = node.args[0]
             if scale != 1.0:
                 return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
         elif is_function(node, operator.add) and mask is None and softcap is None and isinstance(node.args[1], fx.Node):
             mask = ("additive", node.args[1])
+            node = node.args[0]
+            if scale != 1.0:
+                return None
+        elif is_function(node, operator.add) and mask is not None and mask[0] == "filled" and bias is None \
+                and softcap is None and isinstance(node.args[1], fx.Node):
+            # MPT: (scores + alibi).masked_fill(hidden, finfo.min): a bias the fill then replaces where hidden
+            bias = node.args[1]
             node = node.args[0]
             if scale != 1.0:
                 return None
@@ -317,7 +324,8 @@ def _match_manual(gm, out_node):
         return None
     if len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
         return None  # SDPA returns q's dtype: only when the manual attention does too
-    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill)
+    return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill, bias=bias,
+                fill_node=fill_node)
 
 
 def _manual_mask(gm, out_node, match):
@@ -384,9 +392,22 @@ def _manual_match(node, found, spec, refusal) -> AttentionMatch:
                           mask_origin="manual softmax attention left as written", refusal=refusal)
 
 
+def _with_bias_folded(gm, node, found, fake_mode) -> dict:
+    """``(scores + bias).masked_fill(hidden, fill)`` -> the same attention with one additive mask,
+    ``where(hidden, fill, bias)`` (a graph node before this attention's masked_fill), which the hidden entries
+    replace: ``replaced`` stays True (no gradient reaches the scores there)."""
+    args = (found["mask"][1], float(found["fill"]), found["bias"])
+    with gm.graph.inserting_before(found["fill_node"]):
+        combined = gm.graph.call_function(torch.where, args)
+    set_meta(combined, torch.where, args, {}, fake_mode)
+    return {**found, "mask": ("additive", combined), "bias": None, "replaced": True}
+
+
 def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> AttentionMatch | None:
     """Record the manual attention ``node``; when exact, canonicalize it to SDPA -> the SDPA's match or None."""
     spec, fill = MaskSpec.full(), None
+    if found["bias"] is not None:
+        found = _with_bias_folded(gm, node, found, fake_mode)
     if found["mask"] is not None:
         reader, mask_node, style = _manual_mask(gm, node, found)
         spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]), memo=memo)
@@ -408,7 +429,8 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
             spec = spec & SoftCap(found["softcap"])
         context.facts.attention[node] = dataclasses.replace(_manual_match(node, found, spec, None),
                                                             float_fill=float_fill, hidden_fill=fill,
-                                                            fill_replaces=float_fill and style == "filled")
+                                                            fill_replaces=float_fill and (
+                                                                style == "filled" or found.get("replaced", False)))
         return None
     mask_kwargs, refusal = _manual_sdpa_mask(gm, node, found, spec, fake_mode)
     if refusal is not None:

@@ -397,6 +397,14 @@ def _probe_document_ids(batch: int, seq: int, gen: torch.Generator) -> list[torc
 _DOCUMENT_ROLES = {"positions": _probe_positions, "ids": _probe_document_ids}
 
 
+def _visibility_and_bias(value, style: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A mask value read in ``style`` -> (bool visibility, the float values on the visible entries or None)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and style in ("visible", "additive"):
+        hidden = _hidden_by_value(value)
+        return ~hidden, torch.where(hidden, torch.zeros((), dtype=value.dtype), value)
+    return _visibility(value, style), None
+
+
 def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) -> MaskSpec | None:
     documents = next(((n, r) for n, r in role_of.items() if r in _DOCUMENT_ROLES), None)
     padding = next((n for n, r in role_of.items() if r == "padding"), None)
@@ -410,24 +418,36 @@ def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) 
         if padding is not None:
             values[padding] = pad.to(val(padding).dtype)
         try:
-            return _visibility(evaluate_constant(gm, mask_node, at=consumer, inputs=values, length=length), style)
+            return _visibility_and_bias(evaluate_constant(gm, mask_node, at=consumer, inputs=values, length=length),
+                                        style)
         except Exception:  # noqa: BLE001 - a probe the subgraph can't take: not recognized
-            return None
+            return None, None
 
-    neutral = evaluate(doc_probes[0], pad_probes[0])
+    neutral, neutral_bias = evaluate(doc_probes[0], pad_probes[0])
     static = spec_of_visibility(neutral) if neutral is not None else None
     if static is None or static.score_mods:
         return None
     spec = static
+    # a bias on the visible entries (MPT's ALiBi under a runtime mask): ALiBi, the same on every probe
+    biased = neutral_bias is not None and bool((neutral_bias != 0).any())
+    if biased:
+        alibi = alibi_of(neutral_bias, neutral, neutral_bias.shape[-3] if neutral_bias.dim() >= 3 else None)
+        if alibi is None:
+            return None
+        spec = spec & alibi
     if documents is not None:
         spec = spec & Documents(documents[0].name, ids=documents[1] == "ids")
     if padding is not None:
         spec = spec & KeyPadding(padding.name)
     arange = torch.arange(seq)
     for doc, pad in itertools.product(doc_probes, pad_probes):
-        got = evaluate(doc, pad)
+        got, got_bias = evaluate(doc, pad)
         if got is None or got.dim() < 3 or got.shape[-2:] != (seq, seq):
             return None
+        if got_bias is not None and bool((got_bias != 0).any()) != biased:
+            return None  # a bias on some probes only
+        if biased and not torch.equal(got_bias, torch.where(got, neutral_bias, torch.zeros((), dtype=got_bias.dtype))):
+            return None  # the bias moves with the data: not one ALiBi
         docs = None if doc is None else document_ids(doc, batch, ids=documents[1] == "ids")
         valid = pad.ne(0) if pad is not None else None
         want = spec.visible(arange, arange, q_docs=docs, kv_docs=docs,

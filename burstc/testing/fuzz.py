@@ -87,6 +87,13 @@ class Case:
     options: tuple = (("backend", "aot_eager"),)
     alternative: tuple | None = None   # a second option set that must agree with the first (P > 1)
     seed: int = 0
+    # "fp32"; "bf16" (the model's weights in bf16, eager and burstc alike); "autocast" (fp32 weights, every step
+    # under torch.autocast("cpu", bfloat16)): the bf16 rows of the tolerance table, the fp64 truth beside them
+    precision: str = "fp32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "fp32" else torch.bfloat16
 
     @property
     def vocab(self) -> int:
@@ -103,6 +110,7 @@ class Case:
                      + (f" window={m.window}" if m.window else "") + (f" cap={m.score_softcap}" if m.score_softcap
                                                                       else "")
                      + f" {m.logits_op}/{m.loss}")
+        model += f" {self.precision}" if self.precision != "fp32" else ""
         i = self.inputs
         inputs = (f"B{i.batch}xS{i.seq}" + (f" docs{list(i.documents)}" if i.documents else "")
                   + (f" pad-{i.padding}{list(i.pad_lengths)}" if i.padding != "none" else "")
@@ -231,7 +239,9 @@ def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_i
     model = generate_hf_spec(d) if d.boolean(hf_fraction) else generate_model_spec(d)
     inputs = generate_input_spec(d, world_size, model)
     options, alternative = generate_options(d, world_size, allow_inductor)
-    return Case(model=model, inputs=inputs, world_size=world_size, options=options, alternative=alternative)
+    precision = "fp32" if d.boolean(0.8) else d.choice(["bf16", "autocast"])
+    return Case(model=model, inputs=inputs, world_size=world_size, options=options, alternative=alternative,
+                precision=precision)
 
 
 def cases(world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False):
@@ -248,11 +258,14 @@ def cases(world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bo
 # ---- running a case on P ranks ------------------------------------------------------------------------------
 
 
-def _training_step(model, inputs, run=None):
+def _training_step(model, inputs, run=None, autocast: bool = False):
     """Loss and parameter gradients of ``model`` after one forward/backward through ``run`` (default the model;
-    a compiled wrapper of it)."""
+    a compiled wrapper of it); ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``."""
+    import contextlib
+
     model.zero_grad(set_to_none=True)
-    loss = compute_loss(model if run is None else run, inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        loss = compute_loss(model if run is None else run, inputs)
     loss.backward()
     return loss.detach().clone(), parameter_grads(model)
 
@@ -321,8 +334,11 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     torch._dynamo.reset()
     model = build_model(case.model, case.seed)
     inputs = build_inputs(case.inputs, case.vocab)
-    truth = _truth_step(model, inputs)
-    ref_loss, ref_grads = _training_step(model, inputs)
+    truth = _truth_step(model, inputs)  # fp32 weights, no autocast: the fp64 truth of every precision
+    if case.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    autocast = case.precision == "autocast"
+    ref_loss, ref_grads = _training_step(model, inputs, autocast=autocast)
     # a gradient that is zero in exact arithmetic (q/k with one visible key) is rounding noise on both sides,
     # on one device too (aot_eager decomposes SDPA): the oracle's floor for every P
     floor = SHARDED_GRAD_FLOOR
@@ -335,7 +351,7 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
         run: dict = {"options": dict(options)}
         try:
             cmodel = burstc.compile(model, mesh, **dict(options))
-            loss, grads = _training_step(model, inputs, cmodel)
+            loss, grads = _training_step(model, inputs, cmodel, autocast=autocast)
             report = burstc.report(cmodel)
         except Exception as exc:  # noqa: BLE001 - a crash is a finding: report it, never hide it
             run["error"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
@@ -359,7 +375,8 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
         # a mesh of one rank is one device: the same passes, so the same bits as mesh=None
         torch._dynamo.reset()
         try:
-            none_loss, none_grads = _training_step(model, inputs, burstc.compile(model, None, **dict(case.options)))
+            none_loss, none_grads = _training_step(model, inputs, burstc.compile(model, None, **dict(case.options)),
+                                                   autocast=autocast)
             runs[0]["bitwise_vs_no_mesh"] = _bitwise_equal(*runs[0]["_step"], none_loss, none_grads)
         except Exception as exc:  # noqa: BLE001
             runs[0]["error"] = f"mesh=None: {type(exc).__name__}: {str(exc)[:1500]}"
@@ -391,7 +408,7 @@ class Outcome:
 def classify(case: Case, results: list[dict]) -> Outcome:
     """Rank results -> one :class:`Outcome` (the failures first: a crash, then any error above tolerance)."""
     quantity = ("sharded_loss", "sharded_param_grad") if case.world_size > 1 else ("loss", "param_grad")
-    loss_rtol, grad_rtol = (tolerance(torch.float32, q).rtol for q in quantity)
+    loss_rtol, grad_rtol = (tolerance(case.dtype, q).rtol for q in quantity)
     first = results[0]["runs"][0] if results[0]["runs"] else {}
     codes = first.get("skip_codes", [])
     for result in results:
@@ -477,6 +494,8 @@ def _simpler(case: Case):
         yield dataclasses.replace(case, options=case.alternative, alternative=None)
     if case.world_size > 2:
         yield dataclasses.replace(case, world_size=2, alternative=None)
+    if case.precision != "fp32":
+        yield dataclasses.replace(case, precision="fp32")
     plain = [("backend", "aot_eager")] + [o for o in case.options if o[0] in ("layout", "attention_plan")]
     if tuple(plain) != case.options:
         yield dataclasses.replace(case, options=tuple(plain))

@@ -50,6 +50,10 @@ _HF_SPECIAL = {
                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=0),
     "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_kv_heads=2, new_decoder_architecture=True, pad_token_id=0),
+    # ALiBi models with their own eager attention (no SDPA path in HF)
+    "MptConfig": dict(vocab_size=97, d_model=32, n_heads=4, n_layers=2, max_seq_len=64, expansion_ratio=2,
+                      pad_token_id=0),
+    "BloomConfig": dict(vocab_size=97, hidden_size=32, n_head=4, n_layer=2, pad_token_id=0),
 }
 
 
