@@ -453,6 +453,72 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
     return match
 
 
+def _reshaped_from_heads(node, batch: int, heads: int):
+    """``x4.reshape(B * H, S, D)`` (or ``view``) of a ``[B, H, S, D]`` x4 -> x4, else None."""
+    if not (is_method(node, "reshape", "view") and isinstance(node.args[0], fx.Node)):
+        return None
+    x4, x3 = val(node.args[0]), val(node)
+    if x4 is None or x3 is None or x4.dim() != 4 or x3.dim() != 3 or tuple(x4.shape[:2]) != (batch, heads) \
+            or tuple(x3.shape) != (batch * heads, *x4.shape[2:]):
+        return None
+    return node.args[0]
+
+
+def _unbatch_heads(gm, out_node, fake_mode):
+    """BLOOM's attention over ``[B * H, S, D]``: ``bmm(view(dropout(softmax(view(alibi.baddbmm(q3, k3ᵀ, beta,
+    alpha), B, H, S, S) + mask)), B*H, S, S), v3)`` with ``q3 = q4.reshape(B * H, S, D)`` (k, v alike) ->
+    rewritten in the 4-D manual form ``softmax(q4 @ k4ᵀ * alpha + (beta * alibi.view(B, H, ., S) + mask)) @ v4``
+    (then reshaped back), the same math, which the manual pattern reads; returns its ``@ v4`` node, or None."""
+    if not (is_function(out_node, torch.bmm) and len(out_node.args) == 2):
+        return None
+    probs3, v3 = out_node.args
+    if not is_method(probs3, "view", "reshape") or val(probs3.args[0]) is None or val(probs3.args[0]).dim() != 4:
+        return None
+    probs4 = probs3.args[0]
+    batch, heads = val(probs4).shape[:2]
+    v4 = _reshaped_from_heads(v3, batch, heads)
+    add = probs4
+    while add is not None and not is_function(add, operator.add):
+        add = add.args[0] if add.op in ("call_method", "call_function") and add.args and \
+            isinstance(add.args[0], fx.Node) else None
+    if v4 is None or add is None or len(add.args) != 2 or not isinstance(add.args[1], fx.Node):
+        return None
+    scores_view, mask = add.args
+    if not (is_method(scores_view, "view", "reshape") and is_method(scores_view.args[0], "baddbmm")):
+        return None
+    baddbmm = scores_view.args[0]
+    alibi = baddbmm.args[0]
+    kw = dict(zip(("batch1", "batch2", "beta", "alpha"), baddbmm.args[1:]), **baddbmm.kwargs)
+    beta, alpha = const_number(kw.get("beta", 1.0)), const_number(kw.get("alpha", 1.0))
+    k3 = _transposed_key(kw.get("batch2")) if isinstance(kw.get("batch2"), fx.Node) else None
+    q4 = _reshaped_from_heads(kw.get("batch1"), batch, heads) if isinstance(kw.get("batch1"), fx.Node) else None
+    k4 = _reshaped_from_heads(k3, batch, heads) if k3 is not None else None
+    if None in (q4, k4, beta, alpha) or val(alibi) is None or val(alibi).dim() != 3:
+        return None
+    graph = gm.graph
+
+    def emit(fn, *args, method=False):
+        node = graph.call_method(fn, args) if method else graph.call_function(fn, args)
+        set_meta(node, (lambda t, *a: getattr(t, fn)(*a)) if method else fn, args, {}, fake_mode)
+        return node
+
+    with graph.inserting_before(add):
+        scores = emit(operator.mul, emit(torch.matmul, q4, emit("transpose", k4, -2, -1, method=True)), alpha)
+        bias = emit("view", alibi, batch, heads, val(alibi).shape[1], val(alibi).shape[2], method=True)
+        if beta != 1.0:
+            bias = emit(operator.mul, bias, beta)
+        new_add = emit(operator.add, scores, emit(operator.add, bias, mask))
+    add.replace_all_uses_with(new_add)
+    with graph.inserting_before(out_node):
+        out4 = emit(torch.matmul, probs4, v4)
+        out3 = emit("reshape", out4, batch * heads, *val(out4).shape[2:], method=True)
+    out_node.replace_all_uses_with(out3)
+    for dead in (out_node, probs3, add, scores_view, baddbmm):
+        if not dead.users:
+            graph.erase_node(dead)
+    return out4
+
+
 def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     fake_mode = fake_mode_of(gm)
     memo = {}  # one mask read by every layer is classified once
@@ -482,6 +548,10 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             if match.refusal is not None:
                 context.skip(KIND, node, f"FlexAttention: {match.refusal.reason}", code=match.refusal.code)
             continue
+        if getattr(node, "_erased", False):
+            continue  # erased by a rewrite above
+        if is_function(node, torch.bmm):  # BLOOM: attention over [B * H, S, D]
+            node = _unbatch_heads(gm, node, fake_mode) or node
         found = _match_manual(gm, node)
         match = _detect_manual(gm, node, found, context, fake_mode, memo) if found is not None else None
         if match is not None:

@@ -109,6 +109,42 @@ def test_rope_table_with_full_sequence_is_sharded_to_line_up():
     assert analyzer.plan.shard_inputs[mul] == {table_input: 0}  # the [S, H] table's dim 0 lines up with S
 
 
+class _TanhGelu(torch.autograd.Function):  # BLOOM's GELU: elementwise both ways
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.79788456 * (1 + 3 * 0.044715 * x * x))
+
+
+class _CumulativeBackward(torch.autograd.Function):  # pointwise forward, a sum over the tokens in the backward
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.cumsum(1)
+
+
+def test_custom_autograd_function_elementwise_both_ways_keeps_the_shard():
+    analyzer = analyze(lambda ids, t: _TanhGelu.apply(embed(ids, t)) * 3, tokens(), TABLE.clone().requires_grad_())
+    apply = node_of(analyzer, torch.ops.higher_order.autograd_function_apply)
+    assert analyzer.place(apply) == TuplePlacement((Shard(1),))
+    assert place_of(analyzer, operator.mul) == Shard(1)
+
+
+def test_custom_autograd_function_with_a_non_elementwise_backward_is_refused():
+    why = refusal(lambda ids, t: _CumulativeBackward.apply(embed(ids, t)) * 3, tokens(),
+                  TABLE.clone().requires_grad_())
+    assert why.code == CODES.unsupported_op, why
+
+
 def test_operands_sharded_along_different_dims_are_refused():
     square = torch.randint(0, V, (S, S))  # batch == S: the transpose is a valid broadcast
     why = refusal(lambda ids, t: embed(ids, t) + embed(ids, t).transpose(0, 1), square, TABLE)

@@ -33,6 +33,10 @@ CASES = {
                            {"causal&window(7,-)", "causal"}),
     "falcon_alibi": ("FalconConfig", "sdpa", {"alibi": True, "new_decoder_architecture": False,
                                               "num_kv_heads": 4}, None),
+    # MPT: (scores + alibi).masked_fill(mask, finfo.min); BLOOM: alibi.baddbmm(q, kᵀ) over [B * H, S, D] + mask,
+    # its GELU a custom autograd function (pointwise both ways)
+    "mpt_alibi": ("MptConfig", "eager", {}, None),
+    "bloom_alibi": ("BloomConfig", "eager", {}, None),
 }
 
 
@@ -120,6 +124,8 @@ HIDDEN_ROW_CASES = {
     "llama_right_padded": ("LlamaConfig", {}, zoo.hf_loss_with_padding, "uniform", False),
     "llama_left_padded": ("LlamaConfig", {}, zoo.hf_loss_left_padded, "uniform", False),
     "qwen2_gqa_left_padded": ("Qwen2Config", {}, zoo.hf_loss_left_padded, "uniform", False),
+    # MPT masked_fills its (ALiBi-biased) scores: the hidden rows' scores are replaced, no gradient through them
+    "mpt_alibi_left_padded": ("MptConfig", {}, zoo.hf_loss_left_padded, "uniform_replaced", False),
     # Gemma-2 soft-caps before adding the mask: the gradient through a hidden row's scores is per entry
     # (1 - tanh^2), not a uniform softmax's: calls with such rows still run the unsharded graph (exact)
     "gemma2_softcap_left_padded": ("Gemma2Config", {"sliding_window": 8}, zoo.hf_loss_left_padded, None, True),
@@ -145,3 +151,4 @@ def test_eager_key_padding_with_fully_hidden_rows(workers, case):
     assert set(results[0]["hidden_rows"]) == {hidden_rows}, results[0]["hidden_rows"]
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert all(m.startswith("causal") and "key_padding" in m for m in masks), results[0]["attention_masks"]
+    assert all("alibi" in m for m in masks) == ("Mpt" in config_name), results[0]["attention_masks"]

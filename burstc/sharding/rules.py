@@ -316,6 +316,38 @@ def pointwise(analyzer, node, operands) -> Placement:
     return out
 
 
+# -- a custom autograd.Function that is pointwise both ways (BLOOM's GELU) --------------------------------------
+_GRAD_MODE_CALLS = {torch._C._set_grad_enabled}
+
+
+def _body_is_pointwise(body: fx.GraphModule) -> bool:
+    """Every op of ``body`` is elementwise (or a grad-mode switch): its tokens stay independent."""
+    return all(node.op not in ("call_function", "call_method", "call_module") or is_pointwise(None, node)
+               or (node.op == "call_function" and node.target in _GRAD_MODE_CALLS) for node in body.graph.nodes)
+
+
+def _is_pointwise_autograd_function(analyzer, node) -> bool:
+    if not (node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply):
+        return False
+    bodies = [getattr(analyzer.gm, b.target, None) if isinstance(b, fx.Node) and b.op == "get_attr" else None
+              for b in node.args[:2]]
+    return all(isinstance(b, fx.GraphModule) and _body_is_pointwise(b) for b in bodies)
+
+
+@rule("pointwise_autograd_function", _is_pointwise_autograd_function)
+def pointwise_autograd_function(analyzer, node):
+    """``autograd_function_apply(fwd, bwd, *args)`` with elementwise forward and backward bodies: each output
+    item placed like its equally shaped inputs (all placed alike)."""
+    tensors = [a for a in node.args[2:] if isinstance(a, fx.Node) and isinstance(val(a), torch.Tensor)]
+    places = {analyzer.place(a) for a in tensors}
+    shapes = {tuple(val(a).shape) for a in tensors}
+    outputs = val(node) if isinstance(val(node), (tuple, list)) else (val(node),)
+    if len(places) != 1 or len(shapes) != 1 or any(tuple(o.shape) not in shapes for o in outputs):
+        raise Refused(CODES.unsupported_op, "a custom autograd function over differently placed or shaped "
+                                            "inputs", node)
+    return TuplePlacement((places.pop(),) * len(outputs))
+
+
 @rule("like_constructor", on_functions(torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like))
 def like_constructor(analyzer, node):
     return analyzer.place(first_arg(node))  # a fresh tensor shaped like this rank's tokens
@@ -653,12 +685,12 @@ def reshape_merged_rows(analyzer, node):
 REPLICATED_RULES: tuple[Rule, ...] = (side_effect_free, embedding, positions_to_float)
 SHARDED_RULES: tuple[Rule, ...] = (
     side_effect_free, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
-    tuple_item, refuse_tuple_operand, indexing, pointwise_op, like_constructor, min_max,
-    dropout, linear, norm, softmax, reduction, matmul,
+    tuple_item, refuse_tuple_operand, indexing, pointwise_op, pointwise_autograd_function, like_constructor,
+    min_max, dropout, linear, norm, softmax, reduction, matmul,
     transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
     repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat,
 )
 MERGED_RULES: tuple[Rule, ...] = (
     side_effect_free, cross_entropy, addmm_merged, refuse_merged_later_operand,
-    pointwise_op, dropout, linear, norm, reshape_merged_rows,
+    pointwise_op, pointwise_autograd_function, dropout, linear, norm, reshape_merged_rows,
 )
