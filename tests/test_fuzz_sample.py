@@ -5,6 +5,7 @@ reducer catch planted failures, reproducers load."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 import runpy
 
@@ -132,6 +133,12 @@ def test_classify_forgives_only_what_the_fp64_truth_shows_right():
     assert classify(case, [result(TRUTH_FACTOR * 1e-5 * 1.1, 1e-5)]).kind == "mismatch"   # worse than eager x4
     no_truth = _rank_result({"loss": 0.0, "grad:key_bias": 3e-4})                         # no fp64 run: fp32 rules
     assert classify(case, [no_truth]).kind == "mismatch"
+    # in bf16 (weights or autocast) the ulps are bf16's: 1e-4 of the largest gradient is below one
+    bf16_case = dataclasses.replace(case, precision="autocast")
+    bf16_result = result(1e-4, 1e-6)
+    bf16_result["runs"][0]["errors"]["grad:key_bias"] = 0.3  # 10x the bf16 tolerance vs eager
+    assert classify(bf16_case, [bf16_result]).kind == "rewritten"
+    assert classify(case, [result(1e-4, 1e-6)]).kind == "mismatch"                       # not in fp32
 
 
 class _PlantedPool:

@@ -14,7 +14,8 @@ Gradients are compared with the oracle's ``SHARDED_GRAD_FLOOR`` on every P (one 
 is zero in exact arithmetic (a key bias; q/k with one visible key) is rounding noise on both sides.  A gradient
 still off after that is measured against the same step in fp64 (the truth): it is right when it is within
 ``TRUTH_FACTOR`` x eager fp32's own distance to the truth, or within ``TRUTH_ULPS`` fp32 ulps of the largest true
-gradient (:func:`truth_allows`).  A mismatch
+gradient, in the case's precision (:func:`truth_allows`).  Cases run in fp32, with bf16 weights, or under bf16
+autocast (``Case.precision``; the bf16 rows of the tolerance table).  A mismatch
 is *marginal* when every error is finite and under 10x its tolerance, else *gross*; each also reports its worst
 gradient entry in units of the largest gradient (a few 1e-8 is fp32 rounding).  ``rejected`` counts burstc's
 documented error for a length the layout can't split when padding would not be exact.
@@ -303,22 +304,24 @@ def _errors_vs_truth(grads: dict, truth_grads: dict) -> dict[str, float]:
         if got is None or got.shape != truth.shape or not torch.equal(got.isnan(), truth.isnan()):
             errors[name] = math.inf
             continue
-        diff = (got.double() - truth).abs()
-        errors[name] = float(diff[~truth.isnan()].max()) if diff.numel() else 0.0
+        diff = (got.double() - truth).abs()[~truth.isnan()]
+        errors[name] = float(diff.max()) if diff.numel() else 0.0
     return errors
 
 
 # A gradient whose fp32 comparison with eager fails is still right when its distance to the fp64 truth is within
-# TRUTH_FACTOR x eager fp32's own distance, or within TRUTH_ULPS fp32 ulps of the largest true gradient: gradients
+# TRUTH_FACTOR x eager's own distance, or within TRUTH_ULPS ulps (of the case's precision: fp32, or bf16 for bf16
+# weights and autocast) of the largest true gradient: gradients
 # that are zero in exact arithmetic (a key bias under softmax's shift invariance, q/k with one visible key) are
 # rounding noise on both sides, which no relative tolerance of their own (tiny) scale can judge.
 TRUTH_FACTOR = 4.0
 TRUTH_ULPS = 8
 
 
-def truth_allows(error_vs_truth: float, eager_error_vs_truth: float, truth_scale: float) -> bool:
+def truth_allows(error_vs_truth: float, eager_error_vs_truth: float, truth_scale: float,
+                 dtype: torch.dtype = torch.float32) -> bool:
     """Is a gradient ``error_vs_truth`` away from the fp64 truth right (see TRUTH_FACTOR, TRUTH_ULPS)?"""
-    ulp = torch.finfo(torch.float32).eps * truth_scale
+    ulp = torch.finfo(dtype).eps * truth_scale
     return error_vs_truth <= max(TRUTH_FACTOR * eager_error_vs_truth, TRUTH_ULPS * ulp)
 
 
@@ -423,7 +426,8 @@ def classify(case: Case, results: list[dict]) -> Outcome:
         for run in result["runs"]:
             for label, errors in (("vs eager", run["errors"]), ("vs the first option set",
                                                                  run.get("errors_vs_first", {}))):
-                bad = _not_forgiven(errors_above(errors, loss_rtol, grad_rtol), result, run, result["runs"][0])
+                bad = _not_forgiven(errors_above(errors, loss_rtol, grad_rtol), result, run, result["runs"][0],
+                                    case.dtype)
                 if bad:
                     worst_ratio = max([worst_ratio] + [e / (loss_rtol if k == "loss" else grad_rtol)
                                                        if e == e else math.inf for k, e in bad.items()])
@@ -444,7 +448,8 @@ def classify(case: Case, results: list[dict]) -> Outcome:
     return Outcome("rewritten" if "shard" in first.get("rewrites", []) else "refused", codes, results=results)
 
 
-def _not_forgiven(bad: dict[str, float], result: dict, run: dict, first: dict) -> dict[str, float]:
+def _not_forgiven(bad: dict[str, float], result: dict, run: dict, first: dict,
+                  dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """``bad`` without the gradients the fp64 truth shows right (:func:`truth_allows`): this run's, and for the
     comparison with the first option set, that run's too."""
     eager = result.get("eager_grad_errors_vs_truth")
@@ -454,7 +459,7 @@ def _not_forgiven(bad: dict[str, float], result: dict, run: dict, first: dict) -
 
     def right(some_run, name):
         errors = some_run.get("grad_errors_vs_truth") or {}
-        return name in errors and name in eager and truth_allows(errors[name], eager[name], scale)
+        return name in errors and name in eager and truth_allows(errors[name], eager[name], scale, dtype)
 
     return {k: e for k, e in bad.items()
             if not (k.startswith("grad:") and right(run, k[5:]) and right(first, k[5:]))}
