@@ -1,5 +1,6 @@
 """checkpoint="none" | "layers" | "selective" side by side: one training step of a torchtitan-style Llama on P
-gloo ranks, per rank: peak resident memory during the step (VmHWM after /proc/self/clear_refs), step time,
+gloo ranks, per rank: peak resident memory during the step (``burstc.memory.measure_peak``: VmHWM after
+/proc/self/clear_refs, with the heap's free pages trimmed first), step time,
 and ring-attention forwards in the backward graph (the recomputed rings).
 
     python benchmarks/checkpointing.py --seq-len 16384 --ranks 2 --dim 256 --layers 4
@@ -19,17 +20,6 @@ import torch.multiprocessing as mp
 MODES = ("none", "layers", "selective")
 
 
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_rss() -> int:
-    from burstc.cli import peak_rss_bytes
-
-    return peak_rss_bytes()
-
-
 def _rank(rank, world_size, args, mode, port, out):
     import burstc
     from burstc.testing.zoo.titan import TitanLlama, TitanLlamaArgs, WithLoss
@@ -46,17 +36,17 @@ def _rank(rank, world_size, args, mode, port, out):
     cmodel(ids[:, :-1], ids[:, 1:]).backward()  # compiles
     model.zero_grad(set_to_none=True)
     dist.barrier()
-    _reset_peak()
-    base = _peak_rss()
-    start = time.perf_counter()
-    loss = cmodel(ids[:, :-1], ids[:, 1:])
-    loss.backward()
-    seconds = time.perf_counter() - start
-    peak = _peak_rss()
+    from burstc.memory import measure_peak
+
+    with measure_peak("cpu") as peak:  # the allocator's cache handed back first: the step's own growth
+        start = time.perf_counter()
+        loss = cmodel(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        seconds = time.perf_counter() - start
     report = burstc.report(cmodel)
     rings = sum(1 for n in report.graphs["backward"].graph.nodes
                 if n.op == "call_function" and "ring_attention_forward" in str(n.target))
-    out.put((rank, mode, peak - base, peak, seconds, rings, float(loss)))
+    out.put((rank, mode, peak.extra_bytes, peak.peak_bytes, seconds, rings, float(loss)))
     dist.barrier()
     dist.destroy_process_group()
 
