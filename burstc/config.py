@@ -86,9 +86,10 @@ class BurstConfig:
     default (a graph break per checkpointed layer, so no sharding across them)."""
 
     checkpoint: str = "none"
-    """Activation checkpointing burstc adds on a mesh (``passes/checkpoint_layers.py``): ``"none"``,
-    ``"layers"`` (each decoder layer recomputed in the backward, ring attention included) or ``"selective"``
-    (layers recomputed, each ring attention's output and LSE kept: the recomputation never runs the ring)."""
+    """Activation checkpointing burstc adds (``passes/checkpoint_layers.py``), on a mesh or one device:
+    ``"none"``, ``"layers"`` (each decoder layer recomputed in the backward, ring attention included) or
+    ``"selective"`` (layers recomputed, each ring attention's output and LSE kept: the recomputation never runs
+    the ring; on one device SDPA's output is kept)."""
 
     memory_budget: int | None = None
     """Bytes per rank that one training step may peak at (parameters, buffers, gradients, activations): on a

@@ -39,6 +39,12 @@ class PassSpec:
     consumes: tuple[str, ...] = ()
     function: Callable | None = None
     """The pass itself, for a pass defined outside ``passes/`` (a plugin, a test); else loaded by name."""
+    one_device_when: Callable | None = None
+    """A pass that needs a mesh still runs on one device when this is true of the config (``checkpoint=``)."""
+
+    def runs(self, config, world_size: int) -> bool:
+        return not self.needs_mesh or world_size > 1 or (self.one_device_when is not None
+                                                         and bool(self.one_device_when(config)))
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -56,10 +62,15 @@ class PassSpec:
 # assume_unpadded turns masks built from an all-ones attention_mask input into constants (behind a
 # runtime guard) that detect_attention folds; detect_attention puts attention in the SDPA normal form
 # and records one AttentionMatch per attention, which shard lowers to ring attention.
+def _checkpointing(config) -> bool:
+    """burstc's own checkpointing asked for: its passes run on one device too (layers found, tagged, restored)."""
+    return getattr(config, "checkpoint", "none") != "none"
+
+
 PASSES: tuple[PassSpec, ...] = (
     PassSpec("inline_checkpoints", "dynamo", True,
              "activation-checkpointed layers inlined, their nodes tagged with their region",
-             produces=("checkpoint_regions",)),
+             produces=("checkpoint_regions",), one_device_when=_checkpointing),
     PassSpec("fuse_lm_head_loss", "dynamo", False,
              "LM head + cross-entropy -> burstc::linear_cross_entropy (no [tokens, vocab] logits)",
              produces=("dropped_outputs",)),
@@ -68,17 +79,17 @@ PASSES: tuple[PassSpec, ...] = (
              produces=("all_ones_inputs",)),
     PassSpec("detect_attention", "dynamo", True,
              "attention in SDPA normal form, one AttentionMatch (with its MaskSpec) per attention",
-             produces=("attention",)),
+             produces=("attention",), one_device_when=_checkpointing),
     PassSpec("shard", "dynamo", True,
              "sequence-parallel lowering: this rank's tokens, ring attention, global loss normalizer",
              consumes=("attention", "dropped_outputs"), produces=("sharding",)),
     PassSpec("checkpoint_layers", "dynamo", True,
              "checkpoint='layers' / 'selective': decoder layers tagged for recomputation (selective: the ring "
              "attention's outputs kept)", consumes=("sharding", "checkpoint_regions"),
-             produces=("checkpoint_regions",)),
+             produces=("checkpoint_regions",), one_device_when=_checkpointing),
     PassSpec("outline_checkpoints", "dynamo", True,
              "inlined checkpoint regions restored around the rewritten nodes",
-             consumes=("checkpoint_regions",)),
+             consumes=("checkpoint_regions",), one_device_when=_checkpointing),
     PassSpec("schedule", "aot_backward", True,
              "parameter-gradient all-reduces bucketed (grad_bucket_bytes), issued as soon as a bucket's gradients "
              "exist, waited at the end of the backward"),
@@ -101,7 +112,7 @@ def run_stage(stage: str, gm: fx.GraphModule, *, config, context: PassContext, g
         if spec.name in config.disable_passes:
             _record_run(context, spec.name, 0, 0, "disabled by option")
             continue
-        if spec.needs_mesh and context.world_size <= 1:
+        if not spec.runs(config, context.world_size):
             _record_run(context, spec.name, 0, 0, "single device: not run (needs a mesh)")
             continue
         context.start_pass(spec.name)

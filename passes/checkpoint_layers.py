@@ -1,11 +1,11 @@
-"""Pass ``checkpoint_layers`` (stage dynamo, mesh only): the ``checkpoint=`` option — burstc's own activation
-checkpointing of the decoder layers, for a model that does none itself (or to make a user's checkpointing
-selective).
+"""Pass ``checkpoint_layers`` (stage dynamo): the ``checkpoint=`` option — burstc's own activation checkpointing of
+the decoder layers, for a model that does none itself (or to make a user's checkpointing selective), on a mesh
+and on one device (there the attention kept by ``"selective"`` is SDPA's kernel output).
 
 - ``"none"`` (default): nothing; a user's own checkpointing stays as it was (its ring attention recomputed).
 - ``"layers"``: every decoder layer is recomputed in the backward, saving only its inputs.  Layers are
   found from the graph's module paths, no model change: the repeated entries of a module list or dict
-  (``model.layers.3``, ``transformer.h.3``) whose nodes hold a ring attention.
+  (``model.layers.3``, ``transformer.h.3``) whose nodes hold an attention (a ring attention once sharded).
 - ``"selective"``: the same regions, but each keeps its ring attention's outputs (O and LSE: ``B·H·s·(D+1)``
   values per layer for ``s`` local tokens), so the recomputation runs the layer's projections, norms and
   MLP again and never the ring — no attention compute and no communication in the backward's recompute
@@ -37,11 +37,21 @@ _ROOT = re.compile(r"^[LG]\['[^']*'\](\[\d+\])*\.?")  # Dynamo's name for the tr
 _INDEXED = re.compile(r"^(?P<prefix>.+?)(?:\.|\[')?(?P<index>\d+)(?:'\])?$")
 
 
+# the attention ops whose outputs a selective region keeps: the ring op, and SDPA's kernels (one device, or a
+# graph that stays replicated)
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable")
+KEPT_ATTENTION_OPS = frozenset([torch.ops.burstc.ring_attention_forward.default] + [
+    getattr(torch.ops.aten, name).default for name in _SDPA_KERNELS if hasattr(torch.ops.aten, name)])
+
+
 def _keep_ring_attention(ctx, op, *args, **kwargs):
-    """Selective policy: the ring attention's outputs are saved, everything else recomputed."""
+    """Selective policy: the attention's outputs are saved (the ring op's, or SDPA's kernel's), everything else
+    recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if op is torch.ops.burstc.ring_attention_forward.default:
+    if op in KEPT_ATTENTION_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -61,19 +71,27 @@ def _layer_of(node: fx.Node, repeated: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def _repeated_module_lists(gm: fx.GraphModule) -> set[str]:
-    """Module-path prefixes with at least two indexed children holding a ring attention (the op is inserted by
-    the shard pass; its output carries the replaced attention's module path)."""
+def _attention_nodes(gm: fx.GraphModule, context) -> list[fx.Node]:
+    """The nodes that carry each attention's module path: the ring ops' outputs (the shard pass inserted the op;
+    its output carries the replaced attention's path), else, in a graph not sharded (one device), the
+    attentions detection recorded (SDPA calls, manual ``probs @ v``)."""
+    ring = [user for node in gm.graph.nodes
+            if node.op == "call_function" and node.target is torch.ops.burstc.ring_attention_forward.default
+            for user in node.users]
+    if ring:
+        return ring
+    return [node for node in context.facts.attention if not getattr(node, "_erased", False) and node.graph is gm.graph]
+
+
+def _repeated_module_lists(gm: fx.GraphModule, context) -> set[str]:
+    """Module-path prefixes with at least two indexed children holding an attention."""
     indices = defaultdict(set)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.burstc.ring_attention_forward.default:
-            continue
-        for user in node.users:
-            for path, _ in (user.meta.get("nn_module_stack") or {}).values():
-                found = _INDEXED.match(path)
-                if found:
-                    indices[found["prefix"]].add(found["index"])
-                    break
+    for node in _attention_nodes(gm, context):
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            found = _INDEXED.match(path)
+            if found:
+                indices[found["prefix"]].add(found["index"])
+                break
     return {prefix for prefix, seen in indices.items() if len(seen) >= 2}
 
 
@@ -84,9 +102,6 @@ def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if mode == "none":
         context.note = "checkpoint='none': layers are not checkpointed by burstc"
         return gm
-    if context.facts.sharding is None:
-        context.note = f"checkpoint={mode!r}: the graph is not sharded, nothing to plan"
-        return gm
     body_meta = {"_checkpoint_context_fn": selective_context_fn()} if mode == "selective" else {}
     made_selective = 0
     if mode == "selective":
@@ -94,7 +109,7 @@ def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             if "_checkpoint_context_fn" not in region.body_meta:
                 region.body_meta.update(body_meta)
                 made_selective += 1
-    repeated = _repeated_module_lists(gm)
+    repeated = _repeated_module_lists(gm, context)
     members = defaultdict(list)
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
@@ -119,7 +134,7 @@ def checkpoint_layers(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.note = (f"memory_budget={config.memory_budget}: {len(added)} layer(s) tagged, the partitioner "
                         "picks the checkpoint mode")
     elif not added and not made_selective:
-        context.note = f"checkpoint={mode!r}: no repeated layer holding a ring attention found"
+        context.note = f"checkpoint={mode!r}: no repeated layer holding an attention found"
     else:
         context.note = (f"checkpoint={mode!r}: {len(added)} layer(s) tagged for recomputation"
                         + (f", {made_selective} of the model's own made selective" if made_selective else "")

@@ -191,3 +191,26 @@ def test_checkpoint_modes_match_single_device(workers, mode):
                                 group=workers.get(2), backend="aot_eager", checkpoint=mode)
     kinds = [k for k, _ in results[0]["rewrites"]]
     assert kinds.count("checkpoint_layers") == 2 and kinds.count("checkpoint_region") == 2, kinds
+
+
+@pytest.mark.parametrize("mode, recomputed_attention", [("layers", 2), ("selective", 0)])
+def test_checkpoint_modes_on_one_device(mode, recomputed_attention):
+    """``checkpoint=`` without a mesh: the decoder layers are found and tagged the same way; "layers" recomputes
+    each layer's SDPA in the backward (under run_with_rng_state), "selective" keeps SDPA's output; loss and
+    gradients equal eager."""
+    import burstc
+    from burstc.testing.oracle import assert_same_training_step
+
+    torch._dynamo.reset()
+    model, inputs = zoo.titan_llama(), zoo.titan_inputs()
+    cmodel = burstc.compile(model, None, backend="aot_eager", checkpoint=mode)
+    assert_same_training_step(model, lambda m: zoo.call_with_loss(m, inputs), lambda: zoo.call_with_loss(cmodel, inputs))
+    report = burstc.report(cmodel)
+    assert [r.details["layer"] for r in report.rewrites if r.kind == "checkpoint_layers"] == [
+        "model.layers.0", "model.layers.1"]
+    assert _ops(report.graphs["backward"], "run_with_rng_state") == recomputed_attention
+    saved = len(list(report.graphs["forward"].graph.output_node().args[0]))
+    torch._dynamo.reset()
+    plain = burstc.compile(zoo.titan_llama(), None, backend="aot_eager")
+    zoo.call_with_loss(plain, inputs).backward()
+    assert saved < len(list(burstc.report(plain).graphs["forward"].graph.output_node().args[0]))
