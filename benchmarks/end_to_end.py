@@ -696,9 +696,9 @@ def sweep(rows: list[str], seq_lens: list[int], args, shape: ModelShape, peak_fl
 def emulated_network_help(argv: list[str], ranks: int) -> str:
     rest = " ".join(shlex.quote(a) for a in argv if a != "--emulated-network")
     return (
-        "Run the same benchmark with every gloo rank pair rate-limited (the emulated cluster, root needed; see its "
-        f"README next to it):\n\n    EC={EMULATED_CLUSTER}\n"
-        f"    sudo PATH=$PATH $EC --ranks {ranks} --rate 50 -- burstc bench {rest}\n\n"
+        "Run the same benchmark with every gloo rank pair rate-limited (the emulated cluster; as root, with this "
+        f"python's bin first on PATH; see its README next to it):\n\n    EC={EMULATED_CLUSTER}\n"
+        f"    $EC --ranks {ranks} --rate 50 -- burstc bench {rest}\n\n"
         "(--rate MB/s per ordered rank pair; for two nodes use --nodes N --gpus-per-node G --intra MBPS --inter "
         "MBPS with --ranks N*G.  The ranks are spawned by WorkerGroup through init_process_group(rank=...), which "
         "the tool's hook reads.  The one-process rows send nothing and are unaffected.)")

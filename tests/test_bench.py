@@ -91,3 +91,10 @@ def test_step_flops_by_hand():
     # per token: q 2*8*8, k and v 2*2*8*4, o 2*8*8, mlp 3*2*8*16, head 2*8*10; attention 4*2*4 * 16/2
     forward = seq * (128 + 128 + 128 + 768 + 160) + 4 * 2 * 4 * seq * seq / 2
     assert end_to_end.step_flops(shape, seq) == 3 * forward
+
+
+def test_emulated_network_prints_the_command(capsys):
+    assert end_to_end.main(["--emulated-network", "--ranks", "4", "--seq-lens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert f"EC={end_to_end.EMULATED_CLUSTER}" in out
+    assert "$EC --ranks 4 --rate 50 -- burstc bench --ranks 4 --seq-lens 2048" in out
