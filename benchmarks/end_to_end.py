@@ -720,10 +720,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget of compile_budget")
     parser.add_argument("--burstc-backend", choices=["inductor", "aot_eager"], default="inductor",
                         help="burstc.compile's backend (its default: inductor)")
-    parser.add_argument("--memory-cap-mib", type=float, default=192.0,
+    parser.add_argument("--memory-cap-mib", type=float, default=128.0,
                         help="per-rank memory cap of the longest-sequence search (0: no search)")
     parser.add_argument("--max-seq-len", type=int, default=16384, help="the cap search stops here")
-    parser.add_argument("--cap-bisect", type=int, default=1, help="bisection steps after the doubling")
+    parser.add_argument("--cap-bisect", type=int, default=0,
+                        help="bisection steps after the doubling (0: the longest power-of-two multiple of the sweep)")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per case")
     parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--plots-dir", type=Path, default=REPO / "docs")
