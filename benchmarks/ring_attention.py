@@ -188,21 +188,27 @@ class _AllGatherSeq(torch.autograd.Function):
         return out, None
 
 
-def run_allgather_kv(q, k, v, grad_out, group):
+def allgather_kv_attention(q, k, v, group):
+    """Causal attention of zigzag-sharded ``[B, H, s, D]`` q/k/v (Llama-3 style): K/V all-gathered (dK/dV
+    reduce-scattered by autograd), each local chunk against its causal prefix."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     local_len = q.shape[2]
     half, seq_len = local_len // 2, local_len * world_size
-    q_, k_, v_ = _leaves(q, k, v)
     inverse = torch.argsort(layouts.permutation(seq_len, world_size, "zigzag"))
-    k_full, v_full = (_AllGatherSeq.apply(t, group).index_select(2, inverse) for t in (k_, v_))  # natural order
+    k_full, v_full = (_AllGatherSeq.apply(t, group).index_select(2, inverse) for t in (k, v))  # natural order
     outs = []
     for local_chunk, global_chunk in enumerate((rank, 2 * world_size - 1 - rank)):
         rows = slice(local_chunk * half, (local_chunk + 1) * half)
         prefix = (global_chunk + 1) * half  # keys this chunk can see: a prefix, causal in its last block
         mask = torch.ones(half, prefix, dtype=torch.bool).tril(prefix - half)
-        outs.append(F.scaled_dot_product_attention(q_[:, :, rows], k_full[:, :, :prefix], v_full[:, :, :prefix],
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], k_full[:, :, :prefix], v_full[:, :, :prefix],
                                                    attn_mask=mask, enable_gqa=True))
-    out = torch.cat(outs, dim=2)
+    return torch.cat(outs, dim=2)
+
+
+def run_allgather_kv(q, k, v, grad_out, group):
+    q_, k_, v_ = _leaves(q, k, v)
+    out = allgather_kv_attention(q_, k_, v_, group)
     out.backward(grad_out)
     return out, q_.grad, k_.grad, v_.grad, {}
 

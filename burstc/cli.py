@@ -1,5 +1,6 @@
 """``burstc`` command line: ``burstc demo`` trains a small causal LM with burstc.compile; ``burstc explain`` shows
-what burstc would do to a model on a cluster (:mod:`burstc.explain`)."""
+what burstc would do to a model on a cluster (:mod:`burstc.explain`); ``burstc bench`` runs the end-to-end
+benchmark against the peers (``benchmarks/end_to_end.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -189,12 +190,32 @@ def demo(argv=None) -> int:
     return 0
 
 
+def bench(argv=None) -> int:
+    """``burstc bench``: ``benchmarks/end_to_end.py`` of the source checkout burstc is installed from."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "end_to_end.py"
+    if not script.is_file():
+        print(f"burstc bench: {script} not found; the benchmark's cases live in the repository's benchmarks/ folder, "
+              "so run it from a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(script.parent))  # spawned ranks unpickle its tasks by module name
+    spec = importlib.util.spec_from_file_location("end_to_end", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["end_to_end"] = module
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: burstc demo [options]               train a small LM on P gloo ranks (burstc demo --help)\n"
               "       burstc explain MODULE:FACTORY [options]  burstc's plan for a model on a cluster, without one "
-              "(burstc explain --help)")
+              "(burstc explain --help)\n"
+              "       burstc bench [options]                   end-to-end training benchmark vs the peers "
+              "(burstc bench --help)")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "demo":
@@ -203,7 +224,9 @@ def main(argv=None) -> int:
         import importlib
 
         return importlib.import_module("burstc.explain").main(rest)
-    print(f"burstc: unknown command {command!r}; commands: demo, explain", file=sys.stderr)
+    if command == "bench":
+        return bench(rest)
+    print(f"burstc: unknown command {command!r}; commands: demo, explain, bench", file=sys.stderr)
     return 2
 
 
