@@ -115,7 +115,7 @@ def test_classify_flags_every_failure():
 def test_classify_forgives_only_what_the_fp64_truth_shows_right():
     """A gradient over the fp32 tolerance vs eager is right when it is as close to the fp64 truth as eager is
     (x TRUTH_FACTOR) or within TRUTH_ULPS ulps of the largest true gradient; a wrong one stays a mismatch."""
-    from burstc.testing.fuzz import TRUTH_FACTOR, TRUTH_ULPS
+    from burstc.testing.oracle import TRUTH_FACTOR, TRUTH_ULPS
 
     case = Case(model=ModelSpec(), inputs=InputSpec(), world_size=2)
     ulp = torch.finfo(torch.float32).eps

@@ -13,8 +13,8 @@ or is refused with a code and still matches.  Beside eager, metamorphic checks:
 Gradients are compared with the oracle's ``SHARDED_GRAD_FLOOR`` on every P (one device included): a gradient that
 is zero in exact arithmetic (a key bias; q/k with one visible key) is rounding noise on both sides.  A gradient
 still off after that is measured against the same step in fp64 (the truth): it is right when it is within
-``TRUTH_FACTOR`` x eager fp32's own distance to the truth, or within ``TRUTH_ULPS`` fp32 ulps of the largest true
-gradient, in the case's precision (:func:`truth_allows`).  Cases run in fp32, with bf16 weights, or under bf16
+``TRUTH_FACTOR`` x eager's own distance to the truth, or within ``TRUTH_ULPS`` ulps of the largest true gradient,
+in the case's precision (``burstc.testing.oracle.truth_allows``).  Cases run in fp32, with bf16 weights, or under bf16
 autocast (``Case.precision``; the bf16 rows of the tolerance table).  A mismatch
 is *marginal* when every error is finite and under 10x its tolerance, else *gross*; each also reports its worst
 gradient entry in units of the largest gradient (a few 1e-8 is fp32 rounding).  ``rejected`` counts burstc's
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import dataclasses
 import json
 import math
@@ -58,9 +57,13 @@ from burstc.testing.zoo.hf import HF_ARCHITECTURES
 from burstc.testing.oracle import (
     SHARDED_GRAD_FLOOR,
     errors_above,
+    errors_vs_truth,
+    fp64_truth,
     parameter_grads,
     tolerance,
     training_step_errors,
+    truth_allows,
+    truth_scale,
 )
 
 HF_VOCAB = 97
@@ -288,41 +291,8 @@ def _global_grad_error(grads, ref_grads) -> float:
 
 
 def _truth_step(model, inputs):
-    """The same step in fp64 (a copy of the model): the truth both eager fp32 and burstc are measured against;
-    None when the model can't run in fp64."""
-    try:
-        return _training_step(copy.deepcopy(model).double(), inputs)
-    except Exception:  # noqa: BLE001 - an op without fp64 support: no truth, the fp32 oracle alone decides
-        return None
-
-
-def _errors_vs_truth(grads: dict, truth_grads: dict) -> dict[str, float]:
-    """max |grad - truth| per parameter (inf where the shapes or the NaN patterns differ)."""
-    errors = {}
-    for name, truth in truth_grads.items():
-        got = grads.get(name)
-        if got is None or got.shape != truth.shape or not torch.equal(got.isnan(), truth.isnan()):
-            errors[name] = math.inf
-            continue
-        diff = (got.double() - truth).abs()[~truth.isnan()]
-        errors[name] = float(diff.max()) if diff.numel() else 0.0
-    return errors
-
-
-# A gradient whose fp32 comparison with eager fails is still right when its distance to the fp64 truth is within
-# TRUTH_FACTOR x eager's own distance, or within TRUTH_ULPS ulps (of the case's precision: fp32, or bf16 for bf16
-# weights and autocast) of the largest true gradient: gradients
-# that are zero in exact arithmetic (a key bias under softmax's shift invariance, q/k with one visible key) are
-# rounding noise on both sides, which no relative tolerance of their own (tiny) scale can judge.
-TRUTH_FACTOR = 4.0
-TRUTH_ULPS = 8
-
-
-def truth_allows(error_vs_truth: float, eager_error_vs_truth: float, truth_scale: float,
-                 dtype: torch.dtype = torch.float32) -> bool:
-    """Is a gradient ``error_vs_truth`` away from the fp64 truth right (see TRUTH_FACTOR, TRUTH_ULPS)?"""
-    ulp = torch.finfo(dtype).eps * truth_scale
-    return error_vs_truth <= max(TRUTH_FACTOR * eager_error_vs_truth, TRUTH_ULPS * ulp)
+    """The same step in fp64 (a copy of the model), or None: ``burstc.testing.oracle.fp64_truth``."""
+    return fp64_truth(model, lambda twin: _training_step(twin, inputs))
 
 
 def _nonfinite(loss, grads) -> bool:
@@ -367,7 +337,7 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
                    masks=[r.details.get("mask") for r in report.rewrites if r.kind == "attention"],
                    skip_codes=[s.code for s in report.skipped],
                    skips=[f"{s.code}: {s.reason}"[:300] for s in report.skipped],
-                   grad_errors_vs_truth=_errors_vs_truth(grads, truth[1]) if truth is not None else None,
+                   grad_errors_vs_truth=errors_vs_truth(grads, truth[1]) if truth is not None else None,
                    summary=str(report).splitlines()[0] if str(report) else "")
         if runs and "errors" in runs[0]:  # metamorphic: the two option sets agree with each other
             first_loss, first_grads = runs[0].pop("_step")
@@ -388,9 +358,8 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
         run.pop("_step", None)
     truth_fields = {}
     if truth is not None:
-        truth_fields = {"eager_grad_errors_vs_truth": _errors_vs_truth(ref_grads, truth[1]),
-                        "truth_grad_scale": max((float(g[~g.isnan()].abs().max()) for g in truth[1].values()
-                                                 if bool((~g.isnan()).any())), default=0.0)}
+        truth_fields = {"eager_grad_errors_vs_truth": errors_vs_truth(ref_grads, truth[1]),
+                        "truth_grad_scale": truth_scale(truth[1])}
     return {"rank": rank, "ref_loss": float(ref_loss), "ref_nonfinite": _nonfinite(ref_loss, ref_grads),
             "runs": runs, **truth_fields}
 
@@ -450,7 +419,7 @@ def classify(case: Case, results: list[dict]) -> Outcome:
 
 def _not_forgiven(bad: dict[str, float], result: dict, run: dict, first: dict,
                   dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """``bad`` without the gradients the fp64 truth shows right (:func:`truth_allows`): this run's, and for the
+    """``bad`` without the gradients the fp64 truth shows right (``oracle.truth_allows``): this run's, and for the
     comparison with the first option set, that run's too."""
     eager = result.get("eager_grad_errors_vs_truth")
     if eager is None or run.get("grad_errors_vs_truth") is None:

@@ -7,6 +7,8 @@ gradient; NaN patterns must match and NaN never passes) and the one tolerance ta
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -141,6 +143,73 @@ def _worst_first(bad: dict[str, float]) -> list[tuple[str, float]]:
     return sorted(bad.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else float("-inf"))[:8]
 
 
+# -- the fp64 truth ---------------------------------------------------------------------------------------------
+# A gradient whose fp32 comparison with eager fails is still right when its distance to the same step in fp64 is
+# within TRUTH_FACTOR x eager's own distance, or within TRUTH_ULPS ulps (of the compared precision: fp32, or bf16
+# for bf16 weights and autocast) of the largest true gradient: gradients that are zero in exact arithmetic (a key
+# bias under softmax's shift invariance, q/k with one visible key) or that eager itself rounds badly (DiffLlama's
+# lambdas) are judged by how close each side is to the truth, not by how close they are to each other.
+TRUTH_FACTOR = 4.0
+TRUTH_ULPS = 8
+
+
+def fp64_truth(model, step: Callable):
+    """``step(copy)`` -> ``(loss, grads)`` on an fp64 copy of ``model``, or None when the model can't run in fp64."""
+    import copy
+
+    try:
+        twin = copy.deepcopy(model).double()
+        twin.zero_grad(set_to_none=True)
+        return step(twin)
+    except Exception:  # noqa: BLE001 - an op without fp64 support: no truth, the fp32 oracle alone decides
+        return None
+
+
+def errors_vs_truth(grads: dict, truth_grads: dict) -> dict[str, float]:
+    """max |grad - truth| per parameter (inf where the shapes or the NaN patterns differ)."""
+    errors = {}
+    for name, truth in truth_grads.items():
+        got = grads.get(name)
+        if got is None or got.shape != truth.shape or not torch.equal(got.isnan(), truth.isnan()):
+            errors[name] = math.inf
+            continue
+        diff = (got.double() - truth).abs()[~truth.isnan()]
+        errors[name] = float(diff.max()) if diff.numel() else 0.0
+    return errors
+
+
+def truth_scale(truth_grads: dict) -> float:
+    """The largest finite true gradient entry."""
+    return max((float(g[torch.isfinite(g)].abs().max()) for g in truth_grads.values() if bool(torch.isfinite(g).any())),
+               default=0.0)
+
+
+def truth_allows(error_vs_truth: float, eager_error_vs_truth: float, scale: float,
+                 dtype: torch.dtype = torch.float32) -> bool:
+    """Is a gradient ``error_vs_truth`` away from the fp64 truth right (see TRUTH_FACTOR, TRUTH_ULPS)?"""
+    ulp = torch.finfo(dtype).eps * scale
+    return error_vs_truth <= max(TRUTH_FACTOR * eager_error_vs_truth, TRUTH_ULPS * ulp)
+
+
+def truth_fields(model, step: Callable, grads: dict, ref_grads: dict) -> dict:
+    """For a result whose gradients failed the fp32 comparison: their and eager's distances to the fp64 truth."""
+    truth = fp64_truth(model, step)
+    if truth is None:
+        return {}
+    return {"grad_errors_vs_truth": errors_vs_truth(grads, truth[1]),
+            "eager_grad_errors_vs_truth": errors_vs_truth(ref_grads, truth[1]), "truth_grad_scale": truth_scale(truth[1])}
+
+
+def forgiven_by_truth(bad: dict[str, float], result: dict, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """``bad`` without the gradients the fp64 truth shows right (:func:`truth_allows`)."""
+    mine, eager = result.get("grad_errors_vs_truth"), result.get("eager_grad_errors_vs_truth")
+    if not mine or not eager:
+        return bad
+    return {k: e for k, e in bad.items() if not (k.startswith("grad:") and k[5:] in mine and k[5:] in eager
+                                                 and truth_allows(mine[k[5:]], eager[k[5:]],
+                                                                  result["truth_grad_scale"], dtype))}
+
+
 def assert_same_training_step(model, run, compiled_run, dtype=torch.float32):
     """``run(model)`` (eager) and ``compiled_run()`` return losses: compare the loss and all parameter gradients
     with the one-device tolerances for ``dtype``.  Returns ``(loss, ref_loss)``."""
@@ -182,8 +251,20 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
     loss.backward()
     grads = parameter_grads(model)
     report = burstc.report(cmodel)
+    errors = training_step_errors(loss, ref_loss, grads, ref_grads, SHARDED_GRAD_FLOOR)
+    truth = {}
+    if dtype == torch.float32 and errors_above(errors, tolerance(dtype, "sharded_loss").rtol,
+                                               tolerance(dtype, "sharded_param_grad").rtol):
+
+        def step(twin):  # the reference step again, in fp64 (only when the fp32 comparison fails)
+            twin_loss = loss_fn(twin, inputs)
+            twin_loss.backward()
+            return twin_loss.detach(), parameter_grads(twin)
+
+        truth = truth_fields(model, step, grads, ref_grads)
     return {
-        "rank": rank, "errors": training_step_errors(loss, ref_loss, grads, ref_grads, SHARDED_GRAD_FLOOR),
+        **truth,
+        "rank": rank, "errors": errors,
         "loss": float(loss), "ref_loss": float(ref_loss),
         "rewrites": [(r.kind, r.details.get("plan")) for r in report.rewrites],
         "rings": [r.details.get("ring") for r in report.rewrites if r.kind == "attention"],
@@ -226,7 +307,7 @@ def assert_equivalent(model_fn: Callable, inputs_fn: Callable, loss_fn: Callable
         if expect_sharded and world_size > 1 and "shard" not in kinds:
             raise AssertionError(f"rank {result['rank']}: the graph was not sharded: {result['skipped']}\n"
                                  f"{result['report']}")
-        bad = errors_above(result["errors"], loss_rtol, grad_rtol)
+        bad = forgiven_by_truth(errors_above(result["errors"], loss_rtol, grad_rtol), result, tolerance_dtype)
         if bad:
             raise AssertionError(f"rank {result['rank']}: errors above loss {loss_rtol:g} / grad {grad_rtol:g} "
                                  f"(nan = NaN mismatch, inf = missing): {_worst_first(bad)}\n"
