@@ -306,6 +306,10 @@ def choose_layout(calls, seq_len: int, world_size: int, machine: Machine, plan: 
             nbytes += count * (max(transfers["forward"].sent) + max(transfers[backward].sent))
         costs[layout] = LayoutCost(seconds, work, nbytes, padded_len)
 
+    if not costs:  # every candidate must pad: the shard pass refuses the graph (shard.padding_not_exact)
+        return LayoutChoice(AUTO_LAYOUT_ORDER[0], costs, excluded, f"{AUTO_LAYOUT_ORDER[0]}: every layout would have "
+                            "to pad the sequence, and a real token would see the pads")
+
     def by_work(layout):
         return costs[layout].work, costs[layout].bytes, AUTO_LAYOUT_ORDER.index(layout)
 

@@ -110,6 +110,8 @@ def test_padding_a_mask_that_would_see_the_pads_excludes_the_layout():
     choice = choose_layout([tiny(MaskSpec.full())], 36, 4, CPU_AS_H100_CLUSTER, pads_hidden=False)
     assert "zigzag" in choice.excluded and "zigzag" not in choice.costs
     assert choice.layout in ("contiguous", "striped")
+    nowhere = choose_layout([tiny(MaskSpec.full())], 30, 4, CPU_AS_H100_CLUSTER, pads_hidden=False)
+    assert nowhere.layout == "zigzag" and not nowhere.costs and len(nowhere.excluded) == 3  # the pass refuses it
     padded = choose_layout([tiny(CAUSAL)], 36, 4, CPU_AS_H100_CLUSTER)
     assert padded.costs["zigzag"].padded_len == 40 and padded.costs["contiguous"].padded_len == 36
 
