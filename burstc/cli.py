@@ -82,7 +82,7 @@ def _parser():
     parser.add_argument("--heads", type=_positive_int, default=4)
     parser.add_argument("--kv-heads", type=_positive_int, default=2)
     parser.add_argument("--vocab", type=_positive_int, default=8192)
-    parser.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
+    parser.add_argument("--layout", choices=["auto", "contiguous", "zigzag", "striped"], default="auto")
     parser.add_argument("--backend", choices=["inductor", "aot_eager"], default="aot_eager")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-reference", action="store_true", help="skip the single-device eager loss")

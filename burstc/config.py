@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
-from burstc.layout import LAYOUTS
+from burstc.layout import LAYOUT_OPTIONS
 
 BACKENDS = ("inductor", "aot_eager")
 ATTENTION_PLANS = ("auto", "kv_ring", "burst")
@@ -33,8 +33,14 @@ class BurstConfig:
     lm_head_chunk_size: int | None = None
     """Tokens per chunk of the fused LM-head loss; ``None`` sizes it from the vocab."""
 
-    layout: str = "zigzag"
-    """Sequence layout over the mesh: ``contiguous``, ``zigzag`` or ``striped``."""
+    layout: str = "auto"
+    """Sequence layout over the mesh: ``contiguous``, ``zigzag``, ``striped`` (:mod:`burstc.layout`), or ``"auto"``
+    (default): per graph, one of the three for all its ring attentions (layers with different masks share the
+    token layout; :func:`burstc.cost_model.choose_layout`).  Without a sliding window, the least work on the busiest
+    rank (causal: ``zigzag``, exactly even); with one, the cost model's fastest (a window no longer than a shard:
+    ``contiguous``, which exchanges only the halo; Gemma-3-style window and full layers: the total decides).  The
+    report's shard rewrite gives the reason and each candidate's numbers (``layout_reason``,
+    ``layout_candidates``)."""
 
     seq_dims: tuple[str, ...] | None = None
     """Names of the mesh dims that shard the sequence (``None``: every dim).  With two, the first spans nodes
@@ -125,7 +131,7 @@ class BurstConfig:
         from burstc.passes import PASS_ORDER
 
         _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("layout", self.layout, LAYOUTS)
+        _check_choice("layout", self.layout, LAYOUT_OPTIONS)
         _check_choice("attention_plan", self.attention_plan, ATTENTION_PLANS)
         _check_choice("checkpoint", self.checkpoint, CHECKPOINT_MODES)
         _check_choice("ring", self.ring, RING_KINDS)

@@ -216,3 +216,116 @@ def choose_ring(layout: str, mask, seq_len: int, nodes: int, per_node: int, batc
 
 NEAR_TIE = 0.01
 """Predicted times within 1% count as a tie (:func:`choose_ring`)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# layout="auto": the sequence layout of a graph, chosen over all its ring attentions
+
+AUTO_LAYOUT_ORDER = ("zigzag", "contiguous", "striped")
+"""The candidates of ``layout="auto"``, in the order exact ties go (zigzag: the default before ``auto``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingShape:
+    """One ring attention as the layout choice sees it: the mask (its static part decides) and the shapes."""
+
+    mask: object  # burstc.attention_ir.MaskSpec
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCost:
+    """One candidate layout over all of a graph's ring attentions (each on its slowest / busiest rank, summed over
+    the attentions: each is a synchronization point): predicted forward + backward ``seconds``, ``work`` (score
+    entries, B * Hq * visible pairs, of the forward) and ``bytes`` sent (forward + the backward plan), at the
+    sequence length the layout pads to (``padded_len``)."""
+
+    seconds: float
+    work: int
+    bytes: int
+    padded_len: int
+
+    def as_details(self) -> dict:
+        return {"seconds": float(f"{self.seconds:.4g}"), "busiest_work": self.work, "busiest_bytes": self.bytes,
+                "padded_len": self.padded_len}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutChoice:
+    """``layout``: the chosen one; ``costs``: each feasible candidate's :class:`LayoutCost`; ``excluded``:
+    candidate -> why not (padding a mask would let a real token see); ``reason``: the choice in words."""
+
+    layout: str
+    costs: dict
+    excluded: dict
+    reason: str
+
+
+def choose_layout(calls, seq_len: int, world_size: int, machine: Machine, plan: str = "auto",
+                  pads_hidden: bool = True) -> LayoutChoice:
+    """The layout of ``AUTO_LAYOUT_ORDER`` for a graph whose ring attentions are ``calls`` (:class:`RingShape`,
+    one per attention, repeats included) on a flat ring of ``world_size`` ranks.
+
+    Without a sliding window (causal, full, documents: their static part): the least work on the busiest rank
+    summed over the calls, then the fewest bytes, then the order: causal gets zigzag, whose work is exactly even.
+    With a window in any call: the fastest by :func:`predicted_ring_cost` summed over the calls, candidates within
+    :data:`NEAR_TIE` of it going to the least work, then bytes, then the order.  Work alone would pick ``striped``
+    for a window: it spreads the short rows of the sequence start over all ranks (a few % less work on the
+    busiest), but then every rank needs every other's whole shard, and the cost model weighs those bytes against
+    the work.  A candidate that must pad ``seq_len`` is excluded unless ``pads_hidden`` (no real token sees a pad).
+    ``plan``: the backward plan, or ``"auto"`` for the planner's cheaper one per call and layout."""
+    from burstc.attention_ir import SlidingWindow
+    from burstc.layout import required_multiple
+    from burstc.planner import cheaper_backward, predicted_transfers, predicted_work
+
+    counts: dict[RingShape, int] = {}
+    for call in calls:
+        counts[call] = counts.get(call, 0) + 1
+    costs, excluded = {}, {}
+    for layout in AUTO_LAYOUT_ORDER:
+        multiple = required_multiple(world_size, layout)
+        padded_len = -(-seq_len // multiple) * multiple
+        if padded_len != seq_len and not pads_hidden:
+            excluded[layout] = (f"length {seq_len} is not a multiple of {multiple} and padding it is not exact for "
+                                "these masks")
+            continue
+        seconds, work, nbytes = 0.0, 0, 0
+        for call, count in counts.items():
+            mask = call.mask.static_part
+            shape = (call.batch, call.heads_q, call.heads_kv, call.head_dim, call.dtype)
+            transfers = predicted_transfers(layout, mask, padded_len, world_size, *shape)
+            backward = cheaper_backward(transfers) if plan == "auto" else plan
+            cost = predicted_ring_cost("flat", layout, mask, padded_len, world_size, 1, *shape, backward, machine)
+            seconds += count * cost.total
+            work += count * call.batch * call.heads_q * max(predicted_work(layout, mask, padded_len,
+                                                                           world_size).per_rank)
+            nbytes += count * (max(transfers["forward"].sent) + max(transfers[backward].sent))
+        costs[layout] = LayoutCost(seconds, work, nbytes, padded_len)
+
+    if not costs:  # every candidate must pad: the shard pass refuses the graph (shard.padding_not_exact)
+        return LayoutChoice(AUTO_LAYOUT_ORDER[0], costs, excluded, f"{AUTO_LAYOUT_ORDER[0]}: every layout would have "
+                            "to pad the sequence, and a real token would see the pads")
+
+    def by_work(layout):
+        return costs[layout].work, costs[layout].bytes, AUTO_LAYOUT_ORDER.index(layout)
+
+    if not any(call.mask.static_part.term(SlidingWindow) for call in counts):
+        best = min(costs, key=by_work)
+        others = ", ".join(f"{layout} {costs[layout].work}" for layout in costs if layout != best)
+        reason = (f"{best}: no sliding window, so the least work on the busiest rank, summed over the attentions: "
+                  f"{costs[best].work} score entries (vs {others or 'none'})")
+        return LayoutChoice(best, costs, excluded, reason)
+    fastest = min(cost.seconds for cost in costs.values())
+    near = [layout for layout in costs if costs[layout].seconds <= fastest * (1 + NEAR_TIE)]
+    best = min(near, key=by_work)
+    others = ", ".join(f"{layout} {costs[layout].seconds:.3g}" for layout in costs if layout != best)
+    reason = (f"{best}: a sliding window, so the cost model's predicted seconds of ring attention per training step "
+              f"decide: {best} {costs[best].seconds:.3g} (vs {others or 'none'})")
+    if len(near) > 1:
+        reason += (f"; {' and '.join(near)} within {NEAR_TIE:.0%} of the fastest, {best} with the least work on the "
+                   f"busiest rank ({costs[best].work}), then bytes ({costs[best].bytes})")
+    return LayoutChoice(best, costs, excluded, reason)

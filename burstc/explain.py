@@ -434,7 +434,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="H100", type=str.upper, choices=list(DEVICES))
     parser.add_argument("--ring", choices=["auto", "flat", "double", "ulysses"], default="auto")
-    parser.add_argument("--layout", choices=["contiguous", "zigzag", "striped"], default="zigzag")
+    parser.add_argument("--layout", choices=["auto", "contiguous", "zigzag", "striped"], default="auto")
     parser.add_argument("--out", default=None, help="folder for the graphs as readable Python")
     return parser
 

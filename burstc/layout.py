@@ -9,12 +9,18 @@ global order inside a shard:
   2P-1-r.  Every rank does the same causal work per ring step.
 - ``striped``: token t lives on rank t mod P.  Balanced to within one row per step; the layout that
   sequence-wise checkpointing and sliding windows want.
+
+``burstc.compile(layout="auto")`` (:data:`AUTO`) is not a layout but a choice: the shard pass picks one of
+:data:`LAYOUTS` per graph (``passes/shard.py``, ``_choose_layout``), and everything after it sees the concrete one.
 """
 from __future__ import annotations
 
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+AUTO = "auto"
+LAYOUT_OPTIONS = (AUTO, *LAYOUTS)
+"""What ``burstc.compile(layout=...)`` accepts."""
 
 
 def check_layout(layout: str) -> str:

@@ -27,6 +27,7 @@ The analysis (typed placements, one rule per op family, the ``shard.*`` refusal 
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.ops.ring_comm import UlyssesRing, reduction_group
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids
-from burstc.layout import required_multiple
+from burstc.layout import AUTO, required_multiple
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
@@ -319,14 +320,12 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      "default dynamic=False shards every length (one graph per length)", module="",
                      code=CODES.dynamic_length)
         return gm
+    layout_details = {}
+    if config.layout == AUTO:
+        config, layout_details = _auto_layout(gm, seq_len, config, context)
     multiple = required_multiple(context.world_size, config.layout)
     padded_len = -(-seq_len // multiple) * multiple
-    analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)
-    analyzer.attention_matches = context.facts.attention
-    for match in context.facts.attention.values():
-        if match.source in ("manual", "flex") and match.shardable and not is_function(match.node, SDPA):
-            # a manual attention left as written: its insides are replaced with it, not sharded one by one
-            analyzer.skip_nodes |= manual_interior(match) or set()
+    analyzer = _new_analyzer(gm, seq_len, padded_len, config, context)
     try:
         plan = analyzer.run()
     except Refused as refusal:
@@ -368,13 +367,56 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "padded_to": padded_len if padded_len != seq_len else None,
         "local_tokens": padded_len // context.world_size, "attention_ops": len(plan.attention),
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
-        "gathered_outputs": gathered or None,
+        "gathered_outputs": gathered or None, **layout_details,
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
                                           hidden_row_checks=hidden_row_checks,
                                           ring=" + ".join(sorted(set(rings))) or "flat")
     return gm
+
+
+def _new_analyzer(gm, seq_len: int, padded_len: int, config, context) -> Analyzer:
+    analyzer = Analyzer(gm, seq_len, context.world_size, config, padded_len)
+    analyzer.attention_matches = context.facts.attention
+    for match in context.facts.attention.values():
+        if match.source in ("manual", "flex") and match.shardable and not is_function(match.node, SDPA):
+            # a manual attention left as written: its insides are replaced with it, not sharded one by one
+            analyzer.skip_nodes |= manual_interior(match) or set()
+    return analyzer
+
+
+def _auto_layout(gm, seq_len: int, config, context):
+    """``layout="auto"``: ``(config with the layout the cost model picks for this graph's ring attentions, the
+    shard rewrite's details: the choice, why, and each candidate's numbers)``.  The attentions are those the
+    analysis would rewrite (found at a length every candidate holds); one that fails leaves zigzag to the
+    analysis below, which refuses the graph with its reason."""
+    from burstc.cost_model import RingShape, choose_layout, machine_from_options
+
+    probe_len = -(-seq_len // (2 * context.world_size)) * (2 * context.world_size)
+    try:
+        attention = _new_analyzer(gm, seq_len, probe_len, config, context).run().attention
+    except Exception:  # noqa: BLE001 - refused (with the reason) by the analysis that follows
+        return dataclasses.replace(config, layout="zigzag"), {}
+    if not attention:
+        return dataclasses.replace(config, layout="zigzag"), {"layout_reason": "zigzag: no ring attention"}
+    calls, masks, device_type = [], [], "cpu"
+    for node in attention:
+        match = context.facts.attention.get(node)
+        call = attention_call(node, match)
+        q = val(call.query)
+        B, Hq, _, D = q.shape
+        masks.append(_mask_of(node, match))
+        calls.append(RingShape(masks[-1], B, Hq, val(call.key).shape[1], D, q.dtype))
+        device_type = q.device.type
+    machine = machine_from_options(device_type, config.link_bandwidth, config.compute_flops)
+    choice = choose_layout(calls, seq_len, context.world_size, machine, config.attention_plan,
+                           pads_hidden=all(_pads_hidden(mask) for mask in masks))
+    details = {"layout_reason": choice.reason,
+               "layout_candidates": {name: cost.as_details() for name, cost in choice.costs.items()}}
+    if choice.excluded:
+        details["layout_excluded"] = choice.excluded
+    return dataclasses.replace(config, layout=choice.layout), details
 
 
 def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:

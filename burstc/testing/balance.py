@@ -137,3 +137,140 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed documents: per-rank work of the document balancers, counted on the token assignment each makes
+
+DOCUMENT_SCHEMES = ("zigzag", "burstc", "torch_head_tail", "torch_head_tail_intended", "torch_ptrr", "te_padded")
+"""``zigzag``: burstc's layout before the balancer; ``burstc``: :func:`burstc.balance_documents.assign_documents`;
+``torch_head_tail``: torch's ``_PerDocumentHeadTailLoadBalancer`` as torch 2.13 ships it (its indices list each
+document's pieces rank by rank, document after document, and context parallelism cuts that order into P equal
+slices, so a rank gets whole runs of documents, not a head and a tail of each); ``torch_head_tail_intended``: the
+head and tail of every document on every rank, as its docstring draws it; both with the 2P pieces of a document
+of any length ``torch.tensor_split``'s (torch itself asserts every length is a multiple of 2P); ``torch_ptrr``:
+``_PTRRLoadBalancer.ptrr_scheduling`` (torch's own function) over FlexAttention's 128-token query blocks, weighted
+as it weighs them (KV blocks with any visible entry); ``te_padded``: TransformerEngine's scheme, every document
+padded to a multiple of 2P and split head-tail (the pads are wasted tokens: they travel and take memory, but are
+no query's key)."""
+
+PTRR_BLOCK = 128  # FlexAttention's default block size
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentBalance:
+    """One scheme on one packed sequence: ``work[r]``: causal & documents score entries of rank r's real queries;
+    ``tokens[r]``: the tokens it holds (pads included); ``padding``: pad tokens added in all; ``pieces``: the most
+    runs of consecutive positions one rank holds (kernel calls and transfers fragment with them)."""
+
+    scheme: str
+    work: tuple[int, ...]
+    tokens: tuple[int, ...]
+    padding: int
+    pieces: int
+
+    @property
+    def work_max_over_mean(self) -> float:
+        mean = sum(self.work) / len(self.work)
+        return max(self.work) / mean if mean else 1.0
+
+
+def _head_tail_pieces(lengths, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of the packed sequence: ``(its document's index, its piece 0..2P-1)``, pieces as
+    ``torch.tensor_split(document, 2P)`` cuts them (the first ``L mod 2P`` one token longer)."""
+    lengths_D = torch.as_tensor(list(lengths), dtype=torch.int64)
+    doc_S = torch.repeat_interleave(torch.arange(len(lengths_D)), lengths_D)
+    starts_D = torch.cumsum(lengths_D, 0) - lengths_D
+    offset_S = torch.arange(doc_S.numel()) - starts_D[doc_S]
+    short, extra = lengths_D[doc_S] // (2 * world_size), lengths_D[doc_S] % (2 * world_size)
+    long_part = extra * (short + 1)
+    piece_S = torch.where(offset_S < long_part, offset_S // (short + 1),
+                          extra + (offset_S - long_part) // short.clamp(min=1))
+    return doc_S, piece_S
+
+
+def _owners_pieces(owner_S: torch.Tensor, world_size: int) -> int:
+    changes = torch.ones_like(owner_S, dtype=torch.bool)
+    changes[1:] = owner_S[1:] != owner_S[:-1]
+    return int(torch.bincount(owner_S[changes], minlength=world_size).max())
+
+
+def simulate_documents(lengths, world_size: int, scheme: str, chunks_per_rank: int | None = None
+                       ) -> DocumentBalance:
+    """Per-rank work of ``scheme`` (:data:`DOCUMENT_SCHEMES`) on a packed sequence of documents of ``lengths``
+    tokens under ``causal & documents``, on ``world_size`` ranks."""
+    from burstc.balance_documents import assign_documents, document_ids_of_lengths, keys_seen
+    from burstc.layout import local_positions
+
+    lengths = [int(n) for n in lengths]
+    seq_len, P = sum(lengths), world_size
+    doc_ids_S = document_ids_of_lengths(lengths)
+    seen_S = keys_seen(doc_ids_S)
+    padding = 0
+    if scheme == "zigzag":
+        owner_S = torch.empty(seq_len, dtype=torch.int64)
+        for rank in range(P):
+            owner_S[local_positions(seq_len, P, rank, "zigzag")] = rank
+    elif scheme == "burstc":
+        assignment = assign_documents(doc_ids_S, P, chunks_per_rank)
+        owner_S = torch.empty(assignment.world_size * len(assignment.chunks[0]), dtype=torch.int64)
+        for rank, chunks in enumerate(assignment.chunks):
+            owner_S[list(chunks)] = rank
+        owner_S = owner_S.repeat_interleave(assignment.chunk_len)
+    elif scheme in ("torch_head_tail", "torch_head_tail_intended"):
+        doc_S, piece_S = _head_tail_pieces(lengths, P)
+        rank_piece_S = torch.where(piece_S < P, piece_S, 2 * P - 1 - piece_S)  # pieces r and 2P-1-r: rank r
+        if scheme == "torch_head_tail_intended":
+            owner_S = rank_piece_S
+        else:  # the shipped order: document by document, in each rank by rank (head, tail); cut into P slices
+            order = torch.argsort(doc_S * (2 * P) + 2 * rank_piece_S + (piece_S >= P), stable=True)
+            owner_S = torch.empty(seq_len, dtype=torch.int64)
+            owner_S[order] = torch.arange(seq_len) * P // seq_len
+    elif scheme == "torch_ptrr":
+        from torch.distributed.tensor.experimental._context_parallel._load_balancer import _PTRRLoadBalancer
+
+        if seq_len % (PTRR_BLOCK * P):
+            raise ValueError(f"torch_ptrr needs S a multiple of {PTRR_BLOCK} * P")
+        first_row = torch.arange(0, seq_len, PTRR_BLOCK)
+        doc_start_S = torch.arange(seq_len) - seen_S + 1
+        block = first_row // PTRR_BLOCK
+        kv_blocks = block - doc_start_S[first_row] // PTRR_BLOCK + 1  # its rows see keys [doc start, last row]
+        groups = _PTRRLoadBalancer.ptrr_scheduling(kv_blocks, P)  # [P, blocks per rank]
+        owner_B = torch.empty(block.numel(), dtype=torch.int64)
+        for rank in range(P):
+            owner_B[groups[rank]] = rank
+        owner_S = owner_B.repeat_interleave(PTRR_BLOCK)
+    elif scheme == "te_padded":
+        padded = [-(-n // (2 * P)) * (2 * P) for n in lengths]
+        padding = sum(padded) - seq_len
+        doc_S, piece_S = _head_tail_pieces(padded, P)
+        owner_padded = torch.where(piece_S < P, piece_S, 2 * P - 1 - piece_S)
+        starts = torch.tensor([0, *padded[:-1]]).cumsum(0)
+        real = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lengths)])
+        tokens = torch.bincount(owner_padded, minlength=P)
+        work = torch.bincount(owner_padded[real], weights=seen_S.double(), minlength=P)
+        return DocumentBalance(scheme, tuple(int(w) for w in work), tuple(tokens.tolist()), padding,
+                               _owners_pieces(owner_padded, P))
+    else:
+        raise ValueError(f"scheme must be one of {DOCUMENT_SCHEMES}, got {scheme!r}")
+    work = torch.zeros(P, dtype=torch.int64).index_add_(0, owner_S, seen_S)
+    return DocumentBalance(scheme, tuple(work.tolist()), tuple(torch.bincount(owner_S, minlength=P).tolist()),
+                           padding, _owners_pieces(owner_S, P))
+
+
+def sample_document_lengths(seq_len: int, generator: torch.Generator, longest: int | None = None) -> list[int]:
+    """A long-tailed mix of document lengths filling ``seq_len`` (each at most ``longest``, default S/4): lengths
+    log-normal, their median drawn log-uniformly in [128, 16384] and their log-spread uniformly in [0.5, 2] per
+    mix (so some mixes are mostly short documents, some mostly long ones); the last one cut to fit."""
+    import math
+
+    longest = longest or seq_len // 4
+    log_median = math.log(128) + float(torch.rand((), generator=generator)) * math.log(16384 / 128)
+    spread = 0.5 + 1.5 * float(torch.rand((), generator=generator))
+    lengths, total = [], 0
+    while total < seq_len:
+        draw = math.exp(log_median + spread * float(torch.randn((), generator=generator)))
+        length = min(longest, max(1, round(draw)), seq_len - total)
+        lengths.append(length)
+        total += length
+    return lengths

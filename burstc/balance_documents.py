@@ -1,0 +1,184 @@
+"""The document balancer: which chunks of a packed sequence each rank holds, so document-causal work is even.
+
+Packed documents (``causal & documents``) make a fixed layout uneven: under zigzag a rank whose chunks fall at the
+start of long documents does little and one at their ends a lot.  Here the sequence of S tokens is cut into
+``C = k * P`` equal chunks, and each of the P ranks gets exactly ``k`` of them (so every rank holds S/P tokens: the
+position-wise work stays even), chosen so that the busiest rank's unmasked score area is as close to the mean as
+the chunks allow:
+
+1. a chunk's work is the sum over its tokens of the keys each sees (the earlier tokens of its document, itself
+   included): exact, from the document ids, any lengths (no divisibility requirement);
+2. two seeds: the head-tail snake (chunk c to rank ``c mod P`` on even passes over the ranks, ``P - 1 - c mod P``
+   on odd ones: zigzag for k = 2, which it equals on a single document), and greedy LPT (heaviest chunk first, to
+   the least-loaded rank that still has room);
+3. each seed improved by swaps: while some swap of a chunk of the busiest rank with a chunk of another rank lowers
+   the larger of the two ranks' loads below the busiest's, make the best such swap (the sorted loads fall
+   lexicographically, so it ends);
+4. the better result (lower max, then lower sum of squares, then the snake).
+
+Integer arithmetic and fixed tie-breaks only: every rank computes the same assignment from the same ids, with no
+communication.  Each rank's chunks are returned in increasing order, so a rank's tokens stay in increasing global
+order (the invariant of :mod:`burstc.layout` that the ring's block geometry relies on).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TARGET_MAX_OVER_MEAN = 1.01
+MAX_CHUNKS_PER_RANK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkAssignment:
+    """``chunks[r]``: the chunk indices rank ``r`` holds (increasing), ``chunk_len`` tokens each; ``work[r]``: its
+    unmasked causal & documents score entries (per batch row and head)."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    chunk_len: int
+    work: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def max_over_mean(self) -> float:
+        mean = sum(self.work) / len(self.work)
+        return max(self.work) / mean if mean else 1.0
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global positions (int64, increasing) of the tokens ``rank`` holds."""
+        return torch.cat([torch.arange(c * self.chunk_len, (c + 1) * self.chunk_len) for c in self.chunks[rank]])
+
+    def permutation(self) -> torch.Tensor:
+        """All ranks' positions in rank order: ``x[..., permutation]`` is the sharded order."""
+        return torch.cat([self.positions(r) for r in range(self.world_size)])
+
+
+def keys_seen(doc_ids_S: torch.Tensor) -> torch.Tensor:
+    """``[S]`` int64: how many keys each token sees under ``causal & documents`` (the tokens at or before it with
+    its document id; ids need not be sorted or contiguous)."""
+    if doc_ids_S.dim() != 1:
+        raise ValueError(f"document ids must be 1-D [S], got shape {tuple(doc_ids_S.shape)}")
+    seq_len = doc_ids_S.numel()
+    ordered = bool((doc_ids_S[1:] >= doc_ids_S[:-1]).all())
+    # same-id tokens grouped, each group in sequence order (packed ids already are: no sort)
+    order = None if ordered else torch.sort(doc_ids_S, stable=True).indices
+    grouped = doc_ids_S if ordered else doc_ids_S[order]
+    starts = torch.ones(seq_len, dtype=torch.bool)
+    starts[1:] = grouped[1:] != grouped[:-1]
+    index = torch.arange(seq_len)
+    group_start = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), 0).values
+    seen_grouped = index - group_start + 1
+    if ordered:
+        return seen_grouped
+    seen = torch.empty(seq_len, dtype=torch.int64)
+    seen[order] = seen_grouped
+    return seen
+
+
+def document_ids_of_lengths(lengths) -> torch.Tensor:
+    """``[sum(lengths)]`` ids 0, 0, ..., 1, 1, ...: document ``i`` spans ``lengths[i]`` tokens."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(list(lengths)))
+
+
+def chunk_work(doc_ids_S: torch.Tensor, num_chunks: int) -> list[int]:
+    """Score entries of each of ``num_chunks`` equal chunks' queries under ``causal & documents``."""
+    seq_len = doc_ids_S.numel()
+    if num_chunks < 1 or seq_len % num_chunks:
+        raise ValueError(f"sequence length {seq_len} does not split into {num_chunks} equal chunks")
+    return keys_seen(doc_ids_S).view(num_chunks, -1).sum(1).tolist()
+
+
+def balance_chunks(weights, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """Chunks (``weights[c]``: chunk c's work) to ``world_size`` ranks, ``len(weights) / world_size`` each, the
+    busiest rank as light as the seeds and swaps of the module docstring find; each rank's chunks increasing."""
+    num_chunks = len(weights)
+    if world_size < 1 or num_chunks % world_size or num_chunks < world_size:
+        raise ValueError(f"{num_chunks} chunks do not split evenly over {world_size} ranks")
+    per_rank = num_chunks // world_size
+    weight_C = torch.tensor([int(w) for w in weights], dtype=torch.int64)
+    best = None
+    for seed in (_snake(num_chunks, world_size), _lpt(weight_C, world_size, per_rank)):
+        owner_C = _improve(weight_C, seed, world_size)
+        loads = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner_C, weight_C)
+        score = (int(loads.max()), int((loads * loads).sum()))
+        if best is None or score < best[0]:
+            best = (score, owner_C)
+    owner_C = best[1]
+    return tuple(tuple((owner_C == r).nonzero().flatten().tolist()) for r in range(world_size))
+
+
+def assign_documents(doc_ids_S: torch.Tensor, world_size: int, chunks_per_rank: int | None = None, *,
+                     target: float = TARGET_MAX_OVER_MEAN, max_chunks_per_rank: int = MAX_CHUNKS_PER_RANK
+                     ) -> ChunkAssignment:
+    """The balanced assignment of a packed sequence (``doc_ids_S``: one batch row's document ids) to
+    ``world_size`` ranks, ``chunks_per_rank`` (at least 2) equal chunks each.  ``None``: the fewest chunks (2, 4,
+    8, ... up to ``max_chunks_per_rank``, while S splits into them) whose assignment's work max/mean is at most
+    ``target``, else the most even found: long documents need small chunks, short ones balance with few (fewer
+    pieces per rank, longer kernel calls)."""
+    if chunks_per_rank is None:
+        best = None
+        k = 2
+        while k <= max_chunks_per_rank and doc_ids_S.numel() % (k * world_size) == 0:
+            found = assign_documents(doc_ids_S, world_size, k)
+            if best is None or found.max_over_mean < best.max_over_mean:
+                best = found
+            if found.max_over_mean <= target:
+                break
+            k *= 2
+        if best is None:
+            raise ValueError(f"sequence length {doc_ids_S.numel()} does not split into {2 * world_size} equal chunks")
+        return best
+    if chunks_per_rank < 2:
+        raise ValueError(f"chunks_per_rank must be at least 2, got {chunks_per_rank}")
+    num_chunks = chunks_per_rank * world_size
+    weights = chunk_work(doc_ids_S, num_chunks)
+    chunks = balance_chunks(weights, world_size)
+    return ChunkAssignment(chunks, doc_ids_S.numel() // num_chunks,
+                           tuple(sum(weights[c] for c in mine) for mine in chunks))
+
+
+def _snake(num_chunks: int, world_size: int) -> torch.Tensor:
+    chunk = torch.arange(num_chunks)
+    rank, sweep = chunk % world_size, chunk // world_size
+    return torch.where(sweep % 2 == 0, rank, world_size - 1 - rank)
+
+
+def _lpt(weight_C: torch.Tensor, world_size: int, per_rank: int) -> torch.Tensor:
+    """Heaviest chunk first (ties: lower index), to the least-loaded rank with room (ties: lower rank)."""
+    order = sorted(range(weight_C.numel()), key=lambda c: (-int(weight_C[c]), c))
+    loads, counts = [0] * world_size, [0] * world_size
+    owner = [0] * weight_C.numel()
+    for c in order:
+        rank = min((r for r in range(world_size) if counts[r] < per_rank), key=lambda r: (loads[r], r))
+        owner[c] = rank
+        loads[rank] += int(weight_C[c])
+        counts[rank] += 1
+    return torch.tensor(owner, dtype=torch.int64)
+
+
+def _improve(weight_C: torch.Tensor, owner_C: torch.Tensor, world_size: int, max_swaps: int = 10_000) -> torch.Tensor:
+    """Best swaps between the busiest rank (lowest index on ties) and another, while one lowers the pair's larger
+    load below the busiest's."""
+    owner_C = owner_C.clone()
+    loads = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner_C, weight_C)
+    for _ in range(max_swaps):
+        busiest = int(torch.argmax(loads))  # first maximum
+        mine = (owner_C == busiest).nonzero().flatten()
+        w_mine, w_all = weight_C[mine][:, None], weight_C[None, :]
+        new_busiest = loads[busiest] - w_mine + w_all
+        new_other = loads[owner_C][None, :] - w_all + w_mine
+        worst = torch.maximum(new_busiest, new_other)
+        worst[:, owner_C == busiest] = torch.iinfo(torch.int64).max
+        flat = int(torch.argmin(worst))  # first minimum: fixed tie-break
+        i, j = divmod(flat, weight_C.numel())
+        if int(worst[i, j]) >= int(loads[busiest]):
+            break
+        x, other = int(mine[i]), int(owner_C[j])
+        loads[busiest] += weight_C[j] - weight_C[x]
+        loads[other] += weight_C[x] - weight_C[j]
+        owner_C[x], owner_C[j] = other, busiest
+    return owner_C
