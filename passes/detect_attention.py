@@ -47,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from burstc.attention_ir import AttentionMatch, KeyPadding, MaskSpec, SoftCap
+from burstc.attention_ir import Alibi, AttentionMatch, KeyPadding, MaskSpec, SoftCap
 from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
                                        is_function, is_method, set_meta, val)
 from burstc.passes.flex_masks import flex_call, flex_match, is_flex_attention
@@ -411,6 +411,11 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
     if found["mask"] is not None:
         reader, mask_node, style = _manual_mask(gm, node, found)
         spec, refusal = classify_mask(gm, mask_node, style, reader, heads=_heads(found["q"]), memo=memo)
+        if refusal is None and found["softcap"] is not None and any(isinstance(m, Alibi) for m in spec.score_mods):
+            # the model adds the bias to the capped scores; MaskSpec applies ALiBi before the cap (found by the
+            # fuzzer: c*tanh((s + b)/c) != c*tanh(s/c) + b)
+            refusal = Refusal(CODES.mask_bias, "an ALiBi bias added after a soft-cap (burstc applies ALiBi to the "
+                                               "scores before the cap)")
         if refusal is not None:
             context.facts.attention[node] = _manual_match(node, found, None, refusal)
             context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)

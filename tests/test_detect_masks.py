@@ -271,6 +271,25 @@ def test_alibi_bias_in_manual_attention(per_row_constant):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("style", ["additive", "bias_then_masked_fill"])
+def test_alibi_added_after_a_soft_cap_is_refused(style):
+    """c * tanh(s / c) + b is not ALiBi-then-cap (MaskSpec's order: c * tanh((s + b) / c)); found by the fuzzer
+    once MPT's (scores + bias).masked_fill(...) was read: refused, never the other composition."""
+    def attention(q, k, v):
+        scores = torch.tanh((q @ k.transpose(-2, -1)) * 0.5 / 5.0) * 5.0
+        if style == "additive":
+            scores = scores + alibi_bias()
+        else:
+            scores = (scores + alibi_bias()[..., :, :].clamp(min=-1e3)).masked_fill(~window_mask(S), MIN)
+        return F.softmax(scores, dim=-1, dtype=torch.float32) @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    match = _one_match(context)
+    assert match.refusal is not None and match.refusal.code == "attention.mask_bias", match
+    assert "after a soft-cap" in match.refusal.reason
+    torch.testing.assert_close(got, want)
+
+
 def test_alibi_bias_given_to_sdpa_is_kept_on_the_node():
     def attention(q, k, v):
         return SDPA(q, k, v, attn_mask=alibi_bias())
