@@ -26,6 +26,8 @@ import dataclasses
 
 import torch
 
+from burstc.planner import max_over_mean
+
 TARGET_MAX_OVER_MEAN = 1.01
 MAX_CHUNKS_PER_RANK = 32
 
@@ -45,8 +47,7 @@ class ChunkAssignment:
 
     @property
     def max_over_mean(self) -> float:
-        mean = sum(self.work) / len(self.work)
-        return max(self.work) / mean if mean else 1.0
+        return max_over_mean(self.work)
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global positions (int64, increasing) of the tokens ``rank`` holds."""

@@ -138,6 +138,12 @@ def plan_attention(batch: int, seq_len: int, world_size: int, heads_q: int, head
     )
 
 
+def max_over_mean(work) -> float:
+    """The busiest rank's work over the mean (1.0 when there is none): the balance figure of every layout."""
+    mean = sum(work) / len(work)
+    return max(work) / mean if mean else 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkBalance:
     """Unmasked score entries (per batch row and head) each rank computes in one ring attention call, read
@@ -147,8 +153,7 @@ class WorkBalance:
 
     @property
     def max_over_mean(self) -> float:
-        mean = sum(self.per_rank) / len(self.per_rank)
-        return max(self.per_rank) / mean if mean else 1.0
+        return max_over_mean(self.per_rank)
 
 
 @functools.lru_cache(maxsize=256)

@@ -46,7 +46,7 @@ KEPT_ATTENTION_OPS = frozenset([torch.ops.burstc.ring_attention_forward.default]
     getattr(torch.ops.aten, name).default for name in _SDPA_KERNELS if hasattr(torch.ops.aten, name)])
 
 
-def _keep_ring_attention(ctx, op, *args, **kwargs):
+def _keep_attention(ctx, op, *args, **kwargs):
     """Selective policy: the attention's outputs are saved (the ring op's, or SDPA's kernel's), everything else
     recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -59,7 +59,7 @@ def _keep_ring_attention(ctx, op, *args, **kwargs):
 def selective_context_fn():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return functools.partial(create_selective_checkpoint_contexts, _keep_ring_attention)
+    return functools.partial(create_selective_checkpoint_contexts, _keep_attention)
 
 
 def _layer_of(node: fx.Node, repeated: set[str]) -> tuple[str, str] | None:

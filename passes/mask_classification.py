@@ -297,16 +297,6 @@ def _probe_padding(batch: int, seq: int, gen: torch.Generator) -> list[torch.Ten
     return [ones, right, left, holes]
 
 
-def _visibility(value, style: str) -> torch.Tensor | None:
-    """A mask value read in ``style`` -> bool visibility, or None for a bias."""
-    if not isinstance(value, torch.Tensor):
-        return None
-    if value.is_floating_point() and style in ("visible", "additive"):
-        hidden = _hidden_by_value(value)
-        return ~hidden if bool((value[~hidden] == 0).all()) else None
-    return _bool_visibility(value, style)
-
-
 def classify_runtime_mask(gm, mask_node, style: str, consumer, *, memo: dict | None = None) -> MaskSpec | None:
     """A mask built from at most one positions input and one padding input (integer/bool ``[B, S]``
     placeholders) and constants -> ``static & Documents(...) & KeyPadding(...)`` when every probe agrees,
@@ -402,7 +392,7 @@ def _visibility_and_bias(value, style: str) -> tuple[torch.Tensor | None, torch.
     if isinstance(value, torch.Tensor) and value.is_floating_point() and style in ("visible", "additive"):
         hidden = _hidden_by_value(value)
         return ~hidden, torch.where(hidden, torch.zeros((), dtype=value.dtype), value)
-    return _visibility(value, style), None
+    return (_bool_visibility(value, style) if isinstance(value, torch.Tensor) else None), None
 
 
 def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) -> MaskSpec | None:

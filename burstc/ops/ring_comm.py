@@ -98,7 +98,7 @@ class Ring:
         self.link = link
         self.size = group.size()
         self.rank = group.rank()
-        self.timeout_s = _WAIT_TIMEOUT_S.get(group.group_name)
+        self.timeout_s = wait_timeout(group.group_name)
 
     def peer(self, offset: int) -> int:
         """The global rank of group rank ``rank + offset`` (mod the group size)."""

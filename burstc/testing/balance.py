@@ -23,7 +23,7 @@ import torch
 from burstc.attention_ir import MaskSpec, SlidingWindow
 from burstc.layout import LAYOUTS, required_multiple
 from burstc.block_geometry import pairs_hidden_by_data
-from burstc.planner import masked_plan, predicted_transfers, predicted_work
+from burstc.planner import masked_plan, max_over_mean, predicted_transfers, predicted_work
 
 
 def parse_mask(text: str) -> MaskSpec:
@@ -55,8 +55,7 @@ class Balance:
 
     @property
     def work_max_over_mean(self) -> float:
-        mean = sum(self.work) / len(self.work)
-        return max(self.work) / mean if mean else 1.0
+        return max_over_mean(self.work)
 
     def bytes_per_rank(self, op: str = "forward") -> int:
         """The most any rank receives (or sends: the larger) in one call of ``op``."""
@@ -171,8 +170,7 @@ class DocumentBalance:
 
     @property
     def work_max_over_mean(self) -> float:
-        mean = sum(self.work) / len(self.work)
-        return max(self.work) / mean if mean else 1.0
+        return max_over_mean(self.work)
 
 
 def _head_tail_pieces(lengths, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:

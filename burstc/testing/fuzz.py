@@ -58,11 +58,11 @@ from burstc.testing.oracle import (
     SHARDED_GRAD_FLOOR,
     errors_above,
     errors_vs_truth,
+    forgiven_by_truth,
     fp64_truth,
     parameter_grads,
     tolerance,
     training_step_errors,
-    truth_allows,
     truth_scale,
 )
 
@@ -290,11 +290,6 @@ def _global_grad_error(grads, ref_grads) -> float:
     return max(diffs, default=0.0) / scale
 
 
-def _truth_step(model, inputs):
-    """The same step in fp64 (a copy of the model), or None: ``burstc.testing.oracle.fp64_truth``."""
-    return fp64_truth(model, lambda twin: _training_step(twin, inputs))
-
-
 def _nonfinite(loss, grads) -> bool:
     return not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(g).all()) for g in grads.values())
 
@@ -307,7 +302,8 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     torch._dynamo.reset()
     model = build_model(case.model, case.seed)
     inputs = build_inputs(case.inputs, case.vocab)
-    truth = _truth_step(model, inputs)  # fp32 weights, no autocast: the fp64 truth of every precision
+    # the same step on an fp64 copy (fp32 weights, no autocast): the truth of every precision
+    truth = fp64_truth(model, lambda twin: _training_step(twin, inputs))
     if case.precision == "bf16":
         model = model.to(torch.bfloat16)
     autocast = case.precision == "autocast"
@@ -395,8 +391,9 @@ def classify(case: Case, results: list[dict]) -> Outcome:
         for run in result["runs"]:
             for label, errors in (("vs eager", run["errors"]), ("vs the first option set",
                                                                  run.get("errors_vs_first", {}))):
-                bad = _not_forgiven(errors_above(errors, loss_rtol, grad_rtol), result, run, result["runs"][0],
-                                    case.dtype)
+                # the fp64 truth may show a gradient right: this run's, and (vs the first set) the first run's
+                bad = forgiven_by_truth(errors_above(errors, loss_rtol, grad_rtol), result, case.dtype,
+                                        runs=(run, result["runs"][0]))
                 if bad:
                     worst_ratio = max([worst_ratio] + [e / (loss_rtol if k == "loss" else grad_rtol)
                                                        if e == e else math.inf for k, e in bad.items()])
@@ -415,23 +412,6 @@ def classify(case: Case, results: list[dict]) -> Outcome:
     if case.world_size == 1:
         return Outcome("one_device", codes, results=results)
     return Outcome("rewritten" if "shard" in first.get("rewrites", []) else "refused", codes, results=results)
-
-
-def _not_forgiven(bad: dict[str, float], result: dict, run: dict, first: dict,
-                  dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """``bad`` without the gradients the fp64 truth shows right (``oracle.truth_allows``): this run's, and for the
-    comparison with the first option set, that run's too."""
-    eager = result.get("eager_grad_errors_vs_truth")
-    if eager is None or run.get("grad_errors_vs_truth") is None:
-        return bad
-    scale = result["truth_grad_scale"]
-
-    def right(some_run, name):
-        errors = some_run.get("grad_errors_vs_truth") or {}
-        return name in errors and name in eager and truth_allows(errors[name], eager[name], scale, dtype)
-
-    return {k: e for k, e in bad.items()
-            if not (k.startswith("grad:") and right(run, k[5:]) and right(first, k[5:]))}
 
 
 def _is_length_rejection(error: str) -> bool:

@@ -200,14 +200,21 @@ def truth_fields(model, step: Callable, grads: dict, ref_grads: dict) -> dict:
             "eager_grad_errors_vs_truth": errors_vs_truth(ref_grads, truth[1]), "truth_grad_scale": truth_scale(truth[1])}
 
 
-def forgiven_by_truth(bad: dict[str, float], result: dict, dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """``bad`` without the gradients the fp64 truth shows right (:func:`truth_allows`)."""
-    mine, eager = result.get("grad_errors_vs_truth"), result.get("eager_grad_errors_vs_truth")
-    if not mine or not eager:
+def forgiven_by_truth(bad: dict[str, float], result: dict, dtype: torch.dtype = torch.float32,
+                      runs: tuple[dict, ...] | None = None) -> dict[str, float]:
+    """``bad`` without the gradients the fp64 truth shows right (:func:`truth_allows`) in every one of ``runs``
+    (each with its ``grad_errors_vs_truth``; default ``result`` itself), against ``result``'s eager distances."""
+    eager = result.get("eager_grad_errors_vs_truth")
+    all_errors = [run.get("grad_errors_vs_truth") for run in (runs or (result,))]
+    if not eager or not all(all_errors):
         return bad
-    return {k: e for k, e in bad.items() if not (k.startswith("grad:") and k[5:] in mine and k[5:] in eager
-                                                 and truth_allows(mine[k[5:]], eager[k[5:]],
-                                                                  result["truth_grad_scale"], dtype))}
+
+    def right(name: str) -> bool:
+        return name in eager and all(name in errors and truth_allows(errors[name], eager[name],
+                                                                     result["truth_grad_scale"], dtype)
+                                     for errors in all_errors)
+
+    return {k: e for k, e in bad.items() if not (k.startswith("grad:") and right(k[5:]))}
 
 
 def assert_same_training_step(model, run, compiled_run, dtype=torch.float32):
