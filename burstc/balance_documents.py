@@ -85,12 +85,14 @@ def document_ids_of_lengths(lengths) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(list(lengths)))
 
 
-def chunk_work(doc_ids_S: torch.Tensor, num_chunks: int) -> list[int]:
-    """Score entries of each of ``num_chunks`` equal chunks' queries under ``causal & documents``."""
-    seq_len = doc_ids_S.numel()
+def chunk_work(doc_ids: torch.Tensor, num_chunks: int) -> list[int]:
+    """Score entries of each of ``num_chunks`` equal chunks' queries under ``causal & documents``; ``doc_ids`` is
+    one row ``[S]`` or a batch ``[B, S]`` (whose rows share the chunks: their work adds up)."""
+    seq_len = doc_ids.shape[-1]
     if num_chunks < 1 or seq_len % num_chunks:
         raise ValueError(f"sequence length {seq_len} does not split into {num_chunks} equal chunks")
-    return keys_seen(doc_ids_S).view(num_chunks, -1).sum(1).tolist()
+    rows = doc_ids.reshape(-1, seq_len)
+    return sum(keys_seen(row).view(num_chunks, -1).sum(1) for row in rows).tolist()
 
 
 def balance_chunks(weights, world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -115,7 +117,8 @@ def balance_chunks(weights, world_size: int) -> tuple[tuple[int, ...], ...]:
 def assign_documents(doc_ids_S: torch.Tensor, world_size: int, chunks_per_rank: int | None = None, *,
                      target: float = TARGET_MAX_OVER_MEAN, max_chunks_per_rank: int = MAX_CHUNKS_PER_RANK
                      ) -> ChunkAssignment:
-    """The balanced assignment of a packed sequence (``doc_ids_S``: one batch row's document ids) to
+    """The balanced assignment of a packed sequence (``doc_ids_S``: one batch row's document ids, or ``[B, S]``
+    whose rows' work adds up) to
     ``world_size`` ranks, ``chunks_per_rank`` (at least 2) equal chunks each.  ``None``: the fewest chunks (2, 4,
     8, ... up to ``max_chunks_per_rank``, while S splits into them) whose assignment's work max/mean is at most
     ``target``, else the most even found: long documents need small chunks, short ones balance with few (fewer
@@ -123,7 +126,7 @@ def assign_documents(doc_ids_S: torch.Tensor, world_size: int, chunks_per_rank: 
     if chunks_per_rank is None:
         best = None
         k = 2
-        while k <= max_chunks_per_rank and doc_ids_S.numel() % (k * world_size) == 0:
+        while k <= max_chunks_per_rank and doc_ids_S.shape[-1] % (k * world_size) == 0:
             found = assign_documents(doc_ids_S, world_size, k)
             if best is None or found.max_over_mean < best.max_over_mean:
                 best = found
@@ -131,15 +134,35 @@ def assign_documents(doc_ids_S: torch.Tensor, world_size: int, chunks_per_rank: 
                 break
             k *= 2
         if best is None:
-            raise ValueError(f"sequence length {doc_ids_S.numel()} does not split into {2 * world_size} equal chunks")
+            raise ValueError(f"sequence length {doc_ids_S.shape[-1]} does not split into {2 * world_size} equal "
+                             "chunks")
         return best
     if chunks_per_rank < 2:
         raise ValueError(f"chunks_per_rank must be at least 2, got {chunks_per_rank}")
     num_chunks = chunks_per_rank * world_size
     weights = chunk_work(doc_ids_S, num_chunks)
     chunks = balance_chunks(weights, world_size)
-    return ChunkAssignment(chunks, doc_ids_S.numel() // num_chunks,
+    return ChunkAssignment(chunks, doc_ids_S.shape[-1] // num_chunks,
                            tuple(sum(weights[c] for c in mine) for mine in chunks))
+
+
+def finest_chunks_per_rank(seq_len: int, world_size: int, max_chunks_per_rank: int = MAX_CHUNKS_PER_RANK) -> int:
+    """The most chunks per rank :func:`assign_documents` may pick for this length (a power of two, at least 2; 0
+    when the length does not split into 2 chunks per rank)."""
+    k = 0
+    while 2 * max(k, 1) <= max_chunks_per_rank and seq_len % (2 * max(k, 1) * world_size) == 0:
+        k = 2 * max(k, 1)
+    return k
+
+
+def chunk_owners(doc_ids: torch.Tensor, world_size: int, chunks_per_rank: int) -> torch.Tensor:
+    """``[chunks_per_rank * world_size]`` int64: the rank holding each of that many equal chunks, from the balanced
+    :func:`assign_documents` (which may pick coarser chunks: each then spans several of these)."""
+    found = assign_documents(doc_ids, world_size, max_chunks_per_rank=chunks_per_rank)
+    coarse = torch.empty(len(found.chunks) * len(found.chunks[0]), dtype=torch.int64)
+    for rank, mine in enumerate(found.chunks):
+        coarse[list(mine)] = rank
+    return coarse.repeat_interleave(chunks_per_rank * world_size // coarse.numel())
 
 
 def _snake(num_chunks: int, world_size: int) -> torch.Tensor:

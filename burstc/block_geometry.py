@@ -29,7 +29,7 @@ import torch
 
 from burstc.attention_ir import (RUNTIME_TERMS, STATIC_SCORE_MODS, STATIC_TERMS, Causal, Documents, KeyPadding, MaskSpec,
                                  SlidingWindow)
-from burstc.layout import check_layout, local_positions
+from burstc.layout import ChunkLayout, check_layout, local_positions
 
 FULL = "full"
 CAUSAL = "causal"  # top-left aligned on the block: block row i sees block keys 0..i
@@ -67,6 +67,14 @@ class Block:
     @property
     def kv_rows(self) -> slice:
         return slice(self.kv_start, self.kv_stop)
+
+    @property
+    def kernel_entries(self) -> int:
+        """Entries the kernel evaluates: the rectangle of a :data:`POSITIONS` block (masked element-wise), else
+        :attr:`score_entries` (full, and the causal kernel's triangle)."""
+        if self.mask == POSITIONS:
+            return (self.q_stop - self.q_start) * (self.kv_stop - self.kv_start)
+        return self.score_entries
 
     @property
     def score_entries(self) -> int:
@@ -108,7 +116,8 @@ def blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if local_len < 1 or (layout == "zigzag" and local_len % 2):
         raise ValueError(f"layout {layout!r} cannot hold {local_len} tokens per rank")
     s = local_len
-    if mask.term(SlidingWindow) is not None:
+    if mask.term(SlidingWindow) is not None or (isinstance(layout, ChunkLayout) and Causal() in mask.terms):
+        # a chunk layout's causal pairs have no closed form: each row's keys are one interval all the same
         return _window_blocks(layout, mask.terms, q_owner, kv_owner, local_len, world_size)
     if Causal() not in mask.terms:
         return (Block(0, s, 0, s),)
@@ -230,7 +239,8 @@ def _pair_rows_seen(layout: str, terms: tuple, q_owner: int, kv_owner: int, loca
     mask = MaskSpec(terms)
     if not mask.terms:  # full attention: every row of every pair
         return everything, everything
-    if mask.term(SlidingWindow) is None:  # causal: closed-form blocks, each seeing all its rows and keys
+    if mask.term(SlidingWindow) is None and not isinstance(layout, ChunkLayout):
+        # causal on a static layout: closed-form blocks, each seeing all its rows and keys
         return _block_rows_seen(blocks(layout, mask, q_owner, kv_owner, local_len, world_size))
     seq_len = local_len * world_size
     lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
@@ -307,6 +317,106 @@ def pairs_hidden_by_data(layout: str, mask: MaskSpec, local_len: int, world_size
     return frozenset(pair for pair in candidates
                      if blocks(layout, static, *pair, local_len, world_size)
                      and data_hides_pair(layout, mask, *pair, local_len, world_size, doc_ids_BS, key_valid_BS))
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks trimmed by the documents of the call (runtime data)
+
+MERGE_SLACK_ENTRIES = 128 * 128
+"""Two neighbouring document blocks become one bounding block while that adds at most this many hidden entries:
+about the work of one kernel call's fixed cost on a CPU core (128 x 128 scores at D = 128 is ~8 MFLOP, ~0.1 ms),
+so packing many tiny documents does not turn into thousands of calls."""
+
+
+def documents_sorted(doc_ids_BS: torch.Tensor) -> bool:
+    """Are the ids nondecreasing along every batch row (packed documents, each one stretch)?  Then the keys a query
+    shares a document with are one interval of any shard (positions increase in local order)."""
+    return bool((doc_ids_BS[:, 1:] >= doc_ids_BS[:, :-1]).all())
+
+
+def trim_blocks_to_documents(found: tuple[Block, ...], q_positions: torch.Tensor, kv_positions: torch.Tensor,
+                             doc_ids_BS: torch.Tensor) -> tuple[Block, ...]:
+    """``found`` (a pair's static blocks) cut down to the entries whose query and key share a document in some
+    batch row, for sorted ids (:func:`documents_sorted`).  Each block's rows split where any batch row's document
+    changes; a stretch keeps the keys of its documents (one interval per batch row; their union's bounding range),
+    a stretch with none is dropped, and neighbouring stretches merge while :data:`MERGE_SLACK_ENTRIES` allows.
+    Every result is a :data:`POSITIONS` block (the kernel applies the static terms and the documents element-wise;
+    ``visible_entries`` is the rectangle, an upper bound: the work counters count the data's visible entries), and
+    every visible entry of ``found`` stays covered exactly once."""
+    q_docs_BL, kv_docs_BL = doc_ids_BS[:, q_positions], doc_ids_BS[:, kv_positions]
+    trimmed = []
+    for block in found:
+        if block.q_stop <= block.q_start or block.kv_stop <= block.kv_start:
+            continue
+        rows_BR = q_docs_BL[:, block.q_rows]
+        keys_BK = kv_docs_BL[:, block.kv_rows].contiguous()
+        change = torch.zeros(rows_BR.shape[1], dtype=torch.bool)
+        change[0] = True
+        change[1:] = (rows_BR[:, 1:] != rows_BR[:, :-1]).any(0)
+        starts = change.nonzero().flatten()
+        stretch_docs_BT = rows_BR[:, starts].contiguous()
+        lo_BT = torch.searchsorted(keys_BK, stretch_docs_BT)
+        hi_BT = torch.searchsorted(keys_BK, stretch_docs_BT, right=True)
+        seen_BT = hi_BT > lo_BT
+        kv_lo = torch.where(seen_BT, lo_BT, keys_BK.shape[1]).amin(0).tolist()
+        kv_hi = torch.where(seen_BT, hi_BT, 0).amax(0).tolist()
+        bounds = starts.tolist() + [rows_BR.shape[1]]
+        boxes = [(bounds[t], bounds[t + 1], kv_lo[t], kv_hi[t]) for t in range(len(kv_lo)) if kv_hi[t] > kv_lo[t]]
+        for q0, q1, k0, k1 in _merged_boxes(boxes):
+            trimmed.append(Block(block.q_start + q0, block.q_start + q1, block.kv_start + k0, block.kv_start + k1,
+                                 POSITIONS, (q1 - q0) * (k1 - k0)))
+    return tuple(trimmed)
+
+
+def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
+                doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None,
+                packed_documents: bool | None = None) -> tuple[Block, ...]:
+    """The blocks the ring computes for a pair with this call's data: :func:`blocks` of the static part; none when
+    the data hide the whole pair (:func:`data_hides_pair`); with packed documents (``packed_documents``, default
+    :func:`documents_sorted`), those blocks trimmed to the documents (:func:`trim_blocks_to_documents`)."""
+    if not mask.runtime_terms:
+        return blocks(layout, mask, q_owner, kv_owner, local_len, world_size)
+    found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size)
+    if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids_BS, key_valid_BS):
+        return ()
+    if found and mask.term(Documents) is not None:
+        if packed_documents is None:
+            packed_documents = documents_sorted(doc_ids_BS)
+        if packed_documents:
+            seq_len, device = local_len * world_size, doc_ids_BS.device
+            found = trim_blocks_to_documents(found, local_positions(seq_len, world_size, q_owner, layout, device),
+                                             local_positions(seq_len, world_size, kv_owner, layout, device),
+                                             doc_ids_BS)
+    return found
+
+
+def document_travelling_rows(queries_travel: bool, layout, mask: MaskSpec, receiver: int, sender: int,
+                             local_len: int, world_size: int, hidden_pairs: frozenset, blocks_of) -> Runs:
+    """:func:`travelling_rows` for packed documents: of a pair the data leave some entry of, only the rows its
+    trimmed blocks read (``blocks_of(q_owner, kv_owner)``: :func:`data_blocks` of the call), so a document edge
+    sends only the rows of the documents that cross it.  Both sides derive them from the same replicated ids."""
+    if not travelling_rows(queries_travel, layout, mask, receiver, sender, local_len, world_size, hidden_pairs):
+        return ()
+    q_owner, kv_owner = (sender, receiver) if queries_travel else (receiver, sender)
+    found = blocks_of(q_owner, kv_owner)
+    return union_runs([((b.q_start, b.q_stop),) if queries_travel else ((b.kv_start, b.kv_stop),) for b in found])
+
+
+def _merged_boxes(boxes: list) -> list:
+    """Neighbouring ``(q0, q1, k0, k1)`` boxes (rows increasing, disjoint) merged into their bounding box while the
+    hidden entries that adds stay within :data:`MERGE_SLACK_ENTRIES`."""
+    merged = []
+    for box in boxes:
+        if merged:
+            q0, q1, k0, k1, area = merged[-1]
+            nq0, nq1, nk0, nk1 = box
+            lo, hi = min(k0, nk0), max(k1, nk1)
+            new_area = area + (nq1 - nq0) * (nk1 - nk0)
+            if (nq1 - q0) * (hi - lo) - new_area <= MERGE_SLACK_ENTRIES:
+                merged[-1] = (q0, nq1, lo, hi, new_area)
+                continue
+        merged.append((*box, (box[1] - box[0]) * (box[3] - box[2])))
+    return [box[:4] for box in merged]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,12 +34,14 @@ class BurstConfig:
     """Tokens per chunk of the fused LM-head loss; ``None`` sizes it from the vocab."""
 
     layout: str = "auto"
-    """Sequence layout over the mesh: ``contiguous``, ``zigzag``, ``striped`` (:mod:`burstc.layout`), or ``"auto"``
-    (default): per graph, one of the three for all its ring attentions (layers with different masks share the
-    token layout; :func:`burstc.cost_model.choose_layout`).  Without a sliding window, the least work on the busiest
-    rank (causal: ``zigzag``, exactly even); with one, the cost model's fastest (a window no longer than a shard:
-    ``contiguous``, which exchanges only the halo; Gemma-3-style window and full layers: the total decides).  The
-    report's shard rewrite gives the reason and each candidate's numbers (``layout_reason``,
+    """Sequence layout over the mesh: ``contiguous``, ``zigzag``, ``striped``, ``documents`` (:mod:`burstc.layout`),
+    or ``"auto"`` (default): per graph, one for all its ring attentions (layers with different masks share the
+    token layout; :func:`burstc.cost_model.choose_layout`).  Packed documents (every attention causal over document
+    ids, no window, a flat ring): ``documents``, each call's chunks assigned from its ids so the document-causal
+    work is even (:mod:`burstc.balance_documents`).  Otherwise, without a sliding window, the least work on the
+    busiest rank (causal: ``zigzag``, exactly even); with one, the cost model's fastest (a window no longer than a
+    shard: ``contiguous``, which exchanges only the halo; Gemma-3-style window and full layers: the total decides).
+    The report's shard rewrite gives the reason and each candidate's numbers (``layout_reason``,
     ``layout_candidates``)."""
 
     seq_dims: tuple[str, ...] | None = None

@@ -10,33 +10,115 @@ global order inside a shard:
 - ``striped``: token t lives on rank t mod P.  Balanced to within one row per step; the layout that
   sequence-wise checkpointing and sliding windows want.
 
+- ``documents`` (:data:`DOCUMENTS`): chosen per call from the packed documents' ids: the sequence is cut into
+  ``C = k * P`` equal chunks and each rank holds ``k`` of them (:mod:`burstc.balance_documents` picks which, so the
+  document-causal work is even).  The ops that take this layout also take the call's chunk owners (a ``[C]`` int64
+  tensor computed in the graph, the same on every rank) and read it as a :class:`ChunkLayout`, which every function
+  here accepts wherever a layout name goes.
+
 ``burstc.compile(layout="auto")`` (:data:`AUTO`) is not a layout but a choice: the shard pass picks one of
 :data:`LAYOUTS` per graph (``passes/shard.py``, ``_choose_layout``), and everything after it sees the concrete one.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+"""The static layouts: a rank's positions follow from (S, P, rank)."""
+DOCUMENTS = "documents"
 AUTO = "auto"
-LAYOUT_OPTIONS = (AUTO, *LAYOUTS)
+LAYOUT_OPTIONS = (AUTO, *LAYOUTS, DOCUMENTS)
 """What ``burstc.compile(layout=...)`` accepts."""
+STATIC_STAND_IN = {DOCUMENTS: "zigzag"}
+"""The static layout whose formulas stand for a per-call one at compile time (predicted work and bytes: documents'
+chunks on a single document are zigzag's, its balanced worst case)."""
 
 
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """One call's :data:`DOCUMENTS` layout: ``owners[c]`` is the rank holding chunk ``c`` (``chunk_len`` tokens at
+    ``[c * chunk_len, (c + 1) * chunk_len)``); every rank owns the same number of chunks.  Hashable, so the block
+    geometry's caches serve every layer of the call."""
+
+    chunk_len: int
+    owners: tuple[int, ...]
+    name = DOCUMENTS  # what reports and counters call it
+
+    def __post_init__(self):
+        counts = [self.owners.count(r) for r in range(max(self.owners) + 1)]
+        if self.chunk_len < 1 or min(counts) != max(counts):
+            raise ValueError(f"chunk owners must give every rank the same number of chunks, got {counts} "
+                             f"chunks of {self.chunk_len} tokens")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.owners) + 1
+
+    @property
+    def seq_len(self) -> int:
+        return self.chunk_len * len(self.owners)
+
+    @functools.cached_property
+    def positions_PL(self) -> torch.Tensor:
+        """``[P, S/P]``: each rank's global positions, increasing."""
+        owner_S = torch.tensor(self.owners, dtype=torch.int64).repeat_interleave(self.chunk_len)
+        order = torch.sort(owner_S, stable=True).indices  # by rank, positions increasing inside each
+        return order.view(self.world_size, -1)
+
+    @classmethod
+    def from_owners(cls, owners_C: torch.Tensor, seq_len: int) -> "ChunkLayout":
+        if owners_C.dim() != 1 or owners_C.numel() < 1 or seq_len % owners_C.numel():
+            raise ValueError(f"chunk owners must be a [C] tensor with C dividing the sequence length {seq_len}, "
+                             f"got shape {tuple(owners_C.shape)}")
+        return cls(seq_len // owners_C.numel(), tuple(owners_C.tolist()))
+
+
+def check_layout(layout) -> str | ChunkLayout:
+    if isinstance(layout, ChunkLayout):
+        return layout
+    if layout not in (*LAYOUTS, DOCUMENTS):
+        raise ValueError(f"layout must be one of {(*LAYOUTS, DOCUMENTS)}, got {layout!r}")
     return layout
 
 
-def required_multiple(world_size: int, layout: str) -> int:
-    """The sequence length must be a multiple of this for ``layout`` on ``world_size`` ranks."""
+def resolve_layout(layout: str, chunk_owners: torch.Tensor | None, seq_len: int) -> str | ChunkLayout:
+    """What an op runs: its static layout name, or the call's :class:`ChunkLayout` for :data:`DOCUMENTS` (from the
+    ``[C]`` owners the graph computed; given exactly for that layout)."""
     check_layout(layout)
-    return 2 * world_size if layout == "zigzag" else world_size
+    if (layout == DOCUMENTS) != (chunk_owners is not None):
+        raise ValueError(f"chunk_owners is given exactly for layout {DOCUMENTS!r}: layout {layout!r}, chunk_owners "
+                         f"{'missing' if chunk_owners is None else 'given'}")
+    return layout if chunk_owners is None else ChunkLayout.from_owners(chunk_owners, seq_len)
 
 
-def local_positions(seq_len: int, world_size: int, rank: int, layout: str, device=None) -> torch.Tensor:
+def static_stand_in(layout) -> str:
+    """The static layout a compile-time formula uses for ``layout`` (:data:`STATIC_STAND_IN`)."""
+    if isinstance(layout, ChunkLayout):
+        return STATIC_STAND_IN[DOCUMENTS]
+    return STATIC_STAND_IN.get(check_layout(layout), layout)
+
+
+def required_multiple(world_size: int, layout) -> int:
+    """The sequence length must be a multiple of this for ``layout`` on ``world_size`` ranks (documents: at least
+    two chunks per rank)."""
+    check_layout(layout)
+    if isinstance(layout, ChunkLayout):
+        return len(layout.owners)
+    return 2 * world_size if layout in ("zigzag", DOCUMENTS) else world_size
+
+
+def local_positions(seq_len: int, world_size: int, rank: int, layout, device=None) -> torch.Tensor:
     """Global positions (int64, increasing) of the tokens ``rank`` holds, in local order."""
+    if isinstance(layout, ChunkLayout):
+        if (seq_len, world_size) != (layout.seq_len, layout.world_size) or not 0 <= rank < world_size:
+            raise ValueError(f"a chunk layout of {layout.seq_len} tokens on {layout.world_size} ranks has no rank "
+                             f"{rank} of {world_size} over {seq_len} tokens")
+        return layout.positions_PL[rank].to(device)
+    if layout == DOCUMENTS:
+        raise ValueError(f"layout {DOCUMENTS!r} is chosen per call: pass the call's ChunkLayout (resolve_layout)")
     multiple = required_multiple(world_size, layout)
     if seq_len % multiple:
         raise ValueError(

@@ -224,7 +224,7 @@ def _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype) -> t
 @functools.lru_cache(maxsize=256)
 def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch: int, heads_q: int, heads_kv: int,
                         head_dim: int, dtype: torch.dtype | int, hidden_pairs: frozenset = frozenset(),
-                        per_node: int = 0) -> dict[str, Transfers]:
+                        per_node: int = 0, rows_between=None) -> dict[str, Transfers]:
     """What the ring op sends and receives on every rank for ``mask`` (a
     :class:`burstc.attention_ir.MaskSpec`; its runtime terms are data, so their static part's rows
     travel, except in the pairs the data hide: ``hidden_pairs``, from
@@ -234,12 +234,16 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
     at step t a rank posts its own rows for rank + t + 1 and, from t = 2 on, returns the gradients of the
     rows it received at step t - 1 (the backward's extra last step returns those of step P - 1).
     ``per_node``: ranks per node of a node-major mesh the ring runs over (flattened), to class each send
-    as ``"intra"`` or ``"inter"`` by its peer; 0: one class, ``"ring"``."""
+    as ``"intra"`` or ``"inter"`` by its peer; 0: one class, ``"ring"``.  ``rows_between(queries_travel, receiver,
+    sender)``: the rows a call's data make travel instead (packed documents: the rows of the trimmed blocks,
+    :func:`burstc.block_geometry.rows_of_blocks`)."""
     values = _values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype)
     per_row = _row_bytes(values)
     size, local_len = world_size, seq_len // world_size
 
     def rows(op, receiver, sender):
+        if rows_between is not None:
+            return runs_length(rows_between(_QUERIES_TRAVEL[op], receiver % size, sender % size))
         return runs_length(travelling_rows(_QUERIES_TRAVEL[op], layout, mask, receiver % size, sender % size,
                                            local_len, size, hidden_pairs))
 
@@ -275,7 +279,8 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
 @functools.lru_cache(maxsize=256)
 def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int, per_node: int, batch: int,
                                     heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype | int,
-                                    hidden_pairs: frozenset = frozenset()) -> dict[str, Transfers]:
+                                    hidden_pairs: frozenset = frozenset(), rows_between=None
+                                    ) -> dict[str, Transfers]:
     """:func:`predicted_transfers` for the double ring on a ``nodes x per_node`` mesh
     (:mod:`burstc.ops.double_ring`), with the bytes per link class.  In the op's order: at the first
     step of outer step j a rank posts the next lane block (inter), at every step the next inner step's
@@ -291,9 +296,12 @@ def predicted_double_ring_transfers(layout: str, mask, seq_len: int, nodes: int,
         sent, received = [[0] * steps for _ in range(size)], [[0] * steps for _ in range(size)]
         by_link = [[{"intra": 0, "inter": 0} for _ in range(steps)] for _ in range(size)]
         for rank in range(size):
-            rows_between = functools.partial(travelling_rows, _QUERIES_TRAVEL[op], layout, mask, local_len=local_len,
-                                             world_size=size, hidden_pairs=hidden_pairs)
-            routes = DoubleRingRoutes(GridPosition(nodes, per_node, rank), rows_between)
+            if rows_between is None:
+                rows = functools.partial(travelling_rows, _QUERIES_TRAVEL[op], layout, mask, local_len=local_len,
+                                         world_size=size, hidden_pairs=hidden_pairs)
+            else:
+                rows = functools.partial(rows_between, _QUERIES_TRAVEL[op])
+            routes = DoubleRingRoutes(GridPosition(nodes, per_node, rank), rows)
 
             def move(step, link, kind, out_runs, in_runs):
                 out_bytes, in_bytes = (runs_length(r) * per_row[op][kind] for r in (out_runs, in_runs))

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
 from burstc.ops.ring_comm import UlyssesRing, reduction_group
-from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, document_ids
-from burstc.layout import AUTO, required_multiple
+from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, document_ids
+from burstc.layout import AUTO, DOCUMENTS, required_multiple, static_stand_in
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
@@ -147,16 +147,26 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
     attention)."""
     graph = gm.graph
     layout = config.layout
+    static_layout = static_stand_in(layout)  # what the compile-time formulas use
     shard_cache = {}
 
     padded_len = analyzer.padded_len
+    runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
+    fake_mode = fake_mode_of(gm)
+    # the documents layout: the call's chunk owners, from the replicated ids, before anything is sharded
+    owners = (_document_chunks(graph, plan, context, analyzer, fake_mode, runtime_data),) if layout == DOCUMENTS \
+        else ()
+
+    order = {node: i for i, node in enumerate(graph.nodes)}
 
     def sharded(inp, dim, pad_value=0.0):
         key = (inp, dim, pad_value)
         if key not in shard_cache:
-            with graph.inserting_after(inp):
+            # right after the value, or after the chunk owners when the value (a placeholder) comes first
+            anchor = owners[0] if owners and order.get(inp, -1) < order[owners[0]] else inp
+            with graph.inserting_after(anchor):
                 shard_cache[key] = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                                       (inp, dim, group_name, layout, padded_len, pad_value))
+                                                       (inp, dim, group_name, layout, padded_len, pad_value, *owners))
         return shard_cache[key]
 
     for node, args_kwargs in plan.new_args.items():
@@ -168,8 +178,6 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
 
     from burstc.planner import predicted_work
 
-    runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
-    fake_mode = fake_mode_of(gm)
     plans, rings = [], []
     for node in plan.attention:
         match = context.facts.attention.get(node)
@@ -180,9 +188,9 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         scale = call.scale if call.scale is not None else D ** -0.5
         mask = _mask_of(node, match)
         # runtime terms hide more: the static part's work bounds it, and its rows are what travel
-        balance = predicted_work(layout, mask.static_part, analyzer.padded_len, analyzer.P)
+        balance = predicted_work(static_layout, mask.static_part, analyzer.padded_len, analyzer.P)
         ring_groups, plan_name, choice, chosen, ring_details = _ring_and_plan(
-            config, context, group_name, layout, mask.static_part, analyzer.padded_len, B, Hq, Hkv, D, val(q))
+            config, context, group_name, static_layout, mask.static_part, analyzer.padded_len, B, Hq, Hkv, D, val(q))
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
@@ -194,7 +202,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
             uniform_keys = analyzer.S if hidden_rows in ("uniform", "uniform_replaced") else 0
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, ring_groups, layout, mask.encode(), float(scale), plan_name,
-                                        doc_ids, key_valid, uniform_keys, hidden_rows == "uniform"))
+                                        doc_ids, key_valid, uniform_keys, hidden_rows == "uniform", *owners))
             out = graph.call_function(operator.getitem, (ring, 0))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
@@ -203,6 +211,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         rings.append(ring_details["ring"])
         context.rewrite("attention", out, {
             "plan": plan_name, "layout": layout, "causal": mask.term(Causal) is not None, "world_size": analyzer.P,
+            # a per-call layout: the compile-time predictions are its static stand-in's (an upper bound)
+            "predicted_for_layout": static_layout if static_layout != layout else None,
             "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
             "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
@@ -218,7 +228,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
     for node in plan.losses:
         if is_function(node, F.cross_entropy):
             _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S, plan.merged_rows[node],
-                                 analyzer.s)
+                                 analyzer.s, owners)
             continue
         hidden, weight, target = node.args[:3]
         d = analyzer.place(hidden).dim
@@ -227,7 +237,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
             # the fused-loss pass gave the targets the hidden states' token shape: split them alike
             # padded positions (if any) get ignore_index: they add nothing to the loss or the count
             target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                               (target, d, group_name, layout, padded_len, float(ignore_index)))
+                                               (target, d, group_name, layout, padded_len, float(ignore_index),
+                                                *owners))
             normalizer = None
             if node.kwargs.get("reduction", "mean") == "mean":
                 valid = graph.call_function(operator.ne, (target, ignore_index))
@@ -242,7 +253,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
             if node.kwargs.get("reduction", "mean") == "none":
                 # per-token losses (the targets' shape): gathered like a sharded output, exactly-once gradients
                 total = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                            (node, d, group_name, layout, analyzer.S))
+                                            (node, d, group_name, layout, analyzer.S, *owners))
             else:
                 total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
         node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
@@ -252,7 +263,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
     for index, out in plan.outputs_to_gather:
         with graph.inserting_before(output_node):
             full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                       (out, analyzer.place(out).dim, group_name, layout, analyzer.S))
+                                       (out, analyzer.place(out).dim, group_name, layout, analyzer.S, *owners))
         output_node.args = (tuple(full if (i == index) else o for i, o in enumerate(output_node.args[0])),)
         gathered.append(out.name)
 
@@ -267,7 +278,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
-                         seq_len: int, rows: int, local_len: int) -> None:
+                         seq_len: int, rows: int, local_len: int, owners: tuple = ()) -> None:
     """``cross_entropy(logits_local, targets)`` -> per-token losses of the local rows (this rank's targets,
     padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call asked.
 
@@ -284,14 +295,15 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
         # [rows * S] targets -> [rows, S] -> this rank's [rows, s] -> [rows * s], the logits' local row order
         target_rows = graph.call_method("view", (target, (rows, seq_len)))
         target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                           (target_rows, 1, group_name, layout, padded_len, float(ignore_index)))
+                                           (target_rows, 1, group_name, layout, padded_len, float(ignore_index),
+                                            *owners))
         target_local = graph.call_method("reshape", (target_local, (-1,)))
         per_token_local = graph.call_function(F.cross_entropy, (kw["input"], target_local), {
             "ignore_index": ignore_index, "reduction": "none",
             "label_smoothing": kw.get("label_smoothing", 0.0)})
         per_token_rows = graph.call_method("view", (per_token_local, (rows, local_len)))
         per_token = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                        (per_token_rows, 1, group_name, layout, seq_len))
+                                        (per_token_rows, 1, group_name, layout, seq_len, *owners))
         per_token = graph.call_method("reshape", (per_token, (-1,)))
         if reduction == "none":
             loss = per_token
@@ -351,6 +363,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
                      module="", code=CODES.no_sequence_work)
         return gm
+    if config.layout == DOCUMENTS:
+        config, layout_details = _documents_layout(plan, config, context, layout_details)
     if analyzer.output_problem is not None:
         problem = analyzer.output_problem
         context.skip(KIND, problem.node, f"{problem}; the whole graph runs unsharded (replicated on every rank)",
@@ -409,6 +423,12 @@ def _auto_layout(gm, seq_len: int, config, context):
         masks.append(_mask_of(node, match))
         calls.append(RingShape(masks[-1], B, Hq, val(call.key).shape[1], D, q.dtype))
         device_type = q.device.type
+    if all(m.term(Documents) is not None and m.term(Causal) is not None and m.term(SlidingWindow) is None
+           for m in masks) \
+            and _ring_shape(context.ring_groups) is None:
+        return dataclasses.replace(config, layout=DOCUMENTS), {
+            "layout_reason": "documents: every ring attention is causal over packed documents, so each call's chunks "
+                             "are assigned to balance its document-causal work (burstc.balance_documents)"}
     machine = machine_from_options(device_type, config.link_bandwidth, config.compute_flops)
     choice = choose_layout(calls, seq_len, context.world_size, machine, config.attention_plan,
                            pads_hidden=all(_pads_hidden(mask) for mask in masks))
@@ -417,6 +437,18 @@ def _auto_layout(gm, seq_len: int, config, context):
     if choice.excluded:
         details["layout_excluded"] = choice.excluded
     return dataclasses.replace(config, layout=choice.layout), details
+
+
+def _documents_layout(plan: Plan, config, context, details: dict):
+    """``layout="documents"`` needs document ids (zigzag, its one-document case, stands in without them) and runs
+    on the flat ring (the double ring and the hybrid plan for static layouts)."""
+    if not any(_mask_of(n, context.facts.attention.get(n)).term(Documents) is not None for n in plan.attention):
+        return dataclasses.replace(config, layout="zigzag"), {
+            **details, "layout_reason": "zigzag: no attention of the graph has document ids to balance"}
+    if _ring_shape(context.ring_groups) is not None and config.ring != "flat":
+        details = {**details, "ring_note": "layout 'documents' runs on the flat ring over the whole sequence mesh"}
+        config = dataclasses.replace(config, ring="flat")
+    return config, details
 
 
 def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
@@ -437,6 +469,26 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     if match is not None:
         return match.mask
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
+
+
+def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict
+                     ) -> fx.Node:
+    """The ``burstc::document_chunks`` node of the documents layout, on the first ring attention's document ids,
+    inserted after the placeholders (the ids come from replicated inputs, so they are ready before anything is
+    sharded); the ids' node lands in ``runtime_data`` for the attentions to reuse."""
+    from burstc.balance_documents import finest_chunks_per_rank
+    from burstc.ops.document_layout import document_chunks
+
+    node = next(n for n in plan.attention if _mask_of(n, context.facts.attention.get(n)).term(Documents) is not None)
+    mask = _mask_of(node, context.facts.attention.get(node))
+    batch = val(attention_call(node, context.facts.attention.get(node)).query).shape[0]
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first_op):
+        doc_ids, _ = _runtime_mask_data(graph, mask, batch, analyzer.padded_len, fake_mode, runtime_data)
+        args = (doc_ids, analyzer.P, finest_chunks_per_rank(analyzer.padded_len, analyzer.P))
+        owners = graph.call_function(torch.ops.burstc.document_chunks.default, args)
+        set_meta(owners, torch.ops.burstc.document_chunks.default, args, {}, fake_mode)
+    return owners
 
 
 def _pads_hidden(mask: MaskSpec) -> bool:

@@ -16,7 +16,7 @@ from burstc import planner
 from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.block_geometry import pairs_hidden_by_data
 from burstc.ops import ring_attention as ra
-from burstc.testing import tolerance, zoo
+from burstc.testing import balance, tolerance, zoo
 from burstc.testing.ring_cases import ring_attention_case, runtime_mask_data
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 4, 2, 8
@@ -91,15 +91,17 @@ def _check(per_rank, mesh_shape, grid):
                 ring_len, ring_size, shape = local_len, world_size, fp32
             ring_rank = rank // per_node if ring == "ulysses" else rank  # the hybrid: its rank in its lane's ring
             hidden = pairs_hidden_by_data(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
+            # with the data: hidden pairs move nothing, packed documents only their trimmed blocks' rows
+            rows = balance.data_rows(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"], hidden)
             if ring == "ulysses":
                 predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, nodes, *shape,
-                                                        hidden_pairs=hidden)
+                                                        hidden_pairs=hidden, rows_between=rows)
             elif ring == "double":
                 predicted = planner.predicted_double_ring_transfers(layout, mask.static_part, seq_len, nodes, per_node,
-                                                                    *fp32, hidden_pairs=hidden)
+                                                                    *fp32, hidden_pairs=hidden, rows_between=rows)
             else:
                 predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, world_size, *fp32,
-                                                        hidden_pairs=hidden)
+                                                        hidden_pairs=hidden, rows_between=rows)
             for op, key in (("forward", "forward"), ("backward", plan)):
                 got_plan, sent, received, by_link = counters[op]
                 assert list(sent) == list(predicted[key].sent_per_step[ring_rank]), (context, op)

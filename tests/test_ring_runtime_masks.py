@@ -162,9 +162,20 @@ def test_pair_skip_is_exact_and_happens_where_the_data_hide_a_pair():
                 for q_owner in range(world_size):
                     for kv_owner in range(world_size):
                         found = _pair_blocks(layout, mask, q_owner, kv_owner, local_len, _Ring(world_size), data)
-                        seen = _visible(mask, pos[q_owner], pos[kv_owner], doc_ids_BS, key_valid_BS).any()
-                        if bool(seen):
-                            assert found == blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size)
+                        visible = _visible(mask, pos[q_owner], pos[kv_owner], doc_ids_BS, key_valid_BS).any(0)[0]
+                        if not bool(visible.any()):
+                            continue
+                        static = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size)
+                        if mask.term(Documents) is None:  # sorted document ids trim the blocks further
+                            assert found == static
+                        # every visible entry in exactly one block, inside the static blocks
+                        cover, inside = (torch.zeros(local_len, local_len, dtype=torch.int64) for _ in range(2))
+                        for block in found:
+                            cover[block.q_rows, block.kv_rows] += 1
+                        for block in static:
+                            inside[block.q_rows, block.kv_rows] += 1
+                        assert bool((cover[visible] == 1).all()) and int(cover.max()) <= 1, (layout, name)
+                        assert bool((inside[cover > 0] == 1).all()), (layout, name)
     aligned = MaskData(torch.arange(seq_len).div(4, rounding_mode="floor").expand(2, seq_len), None)
     for q_owner in range(world_size):
         for kv_owner in range(world_size):

@@ -91,6 +91,9 @@ def test_runtime_mask_is_sharded_and_exact(workers, case):
                                 backend="aot_eager", expect_sharded=True, timeout=300)
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert masks == expected, results[0]["attention_masks"]
+    # packed documents: layout "auto" balances each call's chunks (the documents layout); the others a static one
+    layout = results[0]["shard_details"]["layout"]
+    assert (layout == "documents") == (case == "packed_position_ids"), results[0]["shard_details"]
 
 
 def hf_inputs_30_tokens():
@@ -106,6 +109,7 @@ def test_runtime_mask_on_a_length_the_layout_pads(workers, case):
     results = assert_equivalent(zoo.hf_llama, hf_inputs_30_tokens, loss_fn, world_size=4, group=workers.get(4),
                                 backend="aot_eager", expect_sharded=True, timeout=300)
     assert results[0]["padded_to"] == 32
+    assert (results[0]["shard_details"]["layout"] == "documents") == (case == "packed_position_ids")
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert masks == expected, results[0]["attention_masks"]
 

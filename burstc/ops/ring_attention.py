@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from burstc.attention_ir import Documents, KeyPadding, MaskSpec
-from burstc.layout import check_layout
+from burstc.layout import DOCUMENTS, ChunkLayout, check_layout, resolve_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 from burstc.block_geometry import check_executable
 from burstc.ops.hidden_rows import add_uniform_rows_, local_hidden_rows, uniform_rows_grads
@@ -88,8 +88,9 @@ def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing | UlyssesRing:
 # n > 0: a query row whose every key is hidden gets eager's uniform average over the first n keys (a model that
 # fills hidden scores with finfo.min; :mod:`burstc.ops.hidden_rows`), not 0; ``uniform_rows_score_grad`` False: the
 # model replaced those scores (masked_fill), so q and k get no gradient through them.
+# ``chunk_owners`` ([C] int64): the call's chunk owners, given exactly for layout "documents" (burstc.layout).
 _MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None, int uniform_rows_keys=0, " \
-                  "bool uniform_rows_score_grad=True"
+                  "bool uniform_rows_score_grad=True, Tensor? chunk_owners=None"
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
                   f" {_MASK_DATA_ARGS}) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
@@ -134,9 +135,11 @@ def _mask_data(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None,
 def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_names: list[str], layout: str, mask: str,
                                scale: float, plan: str, doc_ids: Tensor | None = None,
                                key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
-                               uniform_rows_score_grad: bool = True) -> tuple[Tensor, Tensor]:
+                               uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
+                               ) -> tuple[Tensor, Tensor]:
     # ``plan`` is unused here; it rides along so that the autograd context has it.
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
+    layout = resolve_layout(layout, chunk_owners, q.shape[2] * ring.size)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
     out, lse = ring_forward(q, k, v, ring, layout, spec, scale, data)
     rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
@@ -156,7 +159,7 @@ def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, 
 
 @_ring_attention_forward_op.register_fake
 def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None, uniform_rows_keys=0,
-      uniform_rows_score_grad=True):
+      uniform_rows_score_grad=True, chunk_owners=None):
     batch, heads_q, local_len, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, local_len), dtype=ACC_DTYPE)
 
@@ -167,8 +170,10 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
                                 scale: float, plan: str, doc_ids: Tensor | None = None,
                                 key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
-                                uniform_rows_score_grad: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                                uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
+                                ) -> tuple[Tensor, Tensor, Tensor]:
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
+    layout = resolve_layout(layout, chunk_owners, q.shape[2] * ring.size)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
     grads = ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse,
                           ring, layout, spec, scale, data)
@@ -181,23 +186,23 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
 
 @_ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None,
-      uniform_rows_keys=0, uniform_rows_score_grad=True):
+      uniform_rows_keys=0, uniform_rows_score_grad=True, chunk_owners=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *config, doc_ids, key_valid, uniform_rows_keys, uniform_rows_score_grad = inputs
+    q, k, v, *config, doc_ids, key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid)
+    ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid, chunk_owners)
     ctx.config = tuple(config)  # (group_names, layout, mask, scale, plan)
     ctx.uniform_rows = (uniform_rows_keys, uniform_rows_score_grad)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, doc_ids, key_valid = ctx.saved_tensors
+    q, k, v, out, lse, doc_ids, key_valid, chunk_owners = ctx.saved_tensors
     dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config,
-                                                          doc_ids, key_valid, *ctx.uniform_rows)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                                          doc_ids, key_valid, *ctx.uniform_rows, chunk_owners)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _ring_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -282,6 +287,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: str, plan: str) -> No
         raise ValueError("S_local must be at least 1")
     if layout == "zigzag" and local_len % 2:
         raise ValueError(f"layout 'zigzag' holds two equal chunks per rank, so S_local must be even, got {local_len}")
+    if layout == DOCUMENTS:
+        raise ValueError(f"layout {DOCUMENTS!r} is one call's chunk assignment: pass a burstc.layout.ChunkLayout "
+                         "(e.g. from burstc.balance_documents.chunk_owners)")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q, k, v must share one dtype among {SUPPORTED_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -289,15 +297,16 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, layout: str, plan: str) -> No
 
 
 def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
-                            mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
-                            scale: float | None = None, doc_ids: Tensor | None = None,
+                            mask: MaskSpec | None = None, layout: str | ChunkLayout = "zigzag",
+                            plan: str = "auto", scale: float | None = None, doc_ids: Tensor | None = None,
                             key_valid: Tensor | None = None, ring: str = "auto",
                             hidden_rows: str = "zero") -> tuple[Tensor, Tensor]:
     """Ring attention over ``group_or_mesh``; returns ``(out [B, Hq, S_local, D] in q.dtype,
     lse [B, Hq, S_local] fp32)`` (natural log of the scaled scores).  Both are differentiable.
 
     q ``[B, Hq, S_local, D]``, k/v ``[B, Hkv, S_local, D]`` with ``Hq % Hkv == 0``, tokens in
-    ``layout`` order (:func:`burstc.layout.local_positions`).  The mask: ``causal=`` (default True)
+    ``layout`` order (:func:`burstc.layout.local_positions`; a :class:`burstc.layout.ChunkLayout` is one call's
+    documents layout).  The mask: ``causal=`` (default True)
     or a :class:`burstc.attention_ir.MaskSpec` (``mask=``; every static spec runs, and
     ``Documents`` / ``KeyPadding`` with their data: ``doc_ids`` integer and ``key_valid`` bool, both
     ``[B, S_global]`` over the whole sequence in global order, given exactly when the spec has the
@@ -322,6 +331,12 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
     _check_inputs(q, k, v, layout, plan)
     group_names, world_size = resolve_ring_groups(group_or_mesh, ring)
     _mask_data(mask, doc_ids, key_valid, q.shape[0], q.shape[2] * world_size, q.device)
+    chunk_owners = None
+    if isinstance(layout, ChunkLayout):
+        if (layout.seq_len, layout.world_size) != (q.shape[2] * world_size, world_size):
+            raise ValueError(f"the chunk layout covers {layout.seq_len} tokens on {layout.world_size} ranks, the call "
+                             f"{q.shape[2] * world_size} on {world_size}")
+        layout, chunk_owners = DOCUMENTS, torch.tensor(layout.owners, dtype=torch.int64, device=q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if ring == "ulysses":
         from burstc.ops.ulysses import hybrid_applies
@@ -332,11 +347,12 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
             raise ValueError(f"ring='ulysses': {problem}")
     uniform_rows_keys = q.shape[2] * world_size if hidden_rows != "zero" else 0
     return torch.ops.burstc.ring_attention_forward(q, k, v, group_names, layout, mask.encode(), scale, plan,
-                                                   doc_ids, key_valid, uniform_rows_keys, hidden_rows == "uniform")
+                                                   doc_ids, key_valid, uniform_rows_keys, hidden_rows == "uniform",
+                                                   chunk_owners)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=None, causal: bool | None = None,
-                   mask: MaskSpec | None = None, layout: str = "zigzag", plan: str = "auto",
+                   mask: MaskSpec | None = None, layout: str | ChunkLayout = "zigzag", plan: str = "auto",
                    scale: float | None = None, doc_ids: Tensor | None = None,
                    key_valid: Tensor | None = None, ring: str = "auto", hidden_rows: str = "zero") -> Tensor:
     """Like :func:`ring_attention_with_lse`, returning only the output."""

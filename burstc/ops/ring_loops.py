@@ -44,12 +44,13 @@ import functools
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Documents, MaskSpec
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
-from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_hides_pair, pairs_hidden_by_data, runs_length,
-                                   travelling_rows)
+from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
+                                   documents_sorted, pairs_hidden_by_data, runs_length, travelling_rows)
 from burstc.layout import local_positions
+import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
 from burstc.ops.ring_stats import CallRecorder
@@ -87,28 +88,44 @@ class MaskData:
     def kernel_args(self) -> dict:
         return {"doc_ids_BS": self.doc_ids_BS, "key_valid_BS": self.key_valid_BS}
 
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Per-call answers (a pair's blocks): the data are the call's, so is the memo."""
+        return {}
+
+    @functools.cached_property
+    def packed_documents(self) -> bool:
+        """Document ids nondecreasing in every row: blocks can be trimmed to the documents
+        (:func:`trim_blocks_to_documents`)."""
+        return self.doc_ids_BS is not None and documents_sorted(self.doc_ids_BS)
+
 
 def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, ring: Ring,
                  data: MaskData) -> tuple[Block, ...]:
-    """The blocks of a pair: :func:`blocks` of the static part, or none when the data show that
-    nothing of the pair is visible in any batch row (:func:`data_hides_pair`)."""
+    """The blocks of a pair with this call's data (:func:`data_blocks`), remembered for the call."""
     if not mask.runtime_terms:
         return blocks(layout, mask, q_owner, kv_owner, local_len, ring.size)
-    found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, ring.size)
-    if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args()):
-        return ()
-    return found
+    key = ("blocks", layout, mask, q_owner, kv_owner, local_len, ring.size)
+    if key not in data.memo:
+        data.memo[key] = data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
+                                     packed_documents=data.packed_documents)
+    return data.memo[key]
 
 
 def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: int, ring: Ring, data: MaskData,
                   any_pair: bool = False):
     """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
     this rank (``any_pair``: any pairs, for a rank that relays others' rows) that the runtime data hide
-    move nothing."""
+    move nothing; with packed documents, the rows the pair's trimmed blocks read (:func:`rows_of_blocks`: both
+    sides derive them from the same replicated ids)."""
     hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
                                   rank=None if any_pair else ring.rank)
-    return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
-                             world_size=ring.size, hidden_pairs=hidden)
+    if mask.term(Documents) is None or not data.packed_documents:
+        return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
+                                 world_size=ring.size, hidden_pairs=hidden)
+    blocks_of = functools.partial(_pair_blocks, layout, mask, local_len=local_len, ring=ring, data=data)
+    return functools.partial(document_travelling_rows, queries_travel, layout, mask, local_len=local_len,
+                             world_size=ring.size, hidden_pairs=hidden, blocks_of=blocks_of)
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,

@@ -60,6 +60,9 @@ class RingCallStats:
     transfer_s_per_step: list[float] = dataclasses.field(default_factory=list)
     hidden_s_per_step: list[float] = dataclasses.field(default_factory=list)
     exposed_s_per_step: list[float] = dataclasses.field(default_factory=list)
+    kernel_entries_per_step: list[int] = dataclasses.field(default_factory=list)
+    """Score entries the kernels evaluated at each compute step (B * Hq * each block's rectangle, a top-left causal
+    block's triangle): ``work_per_step`` plus the hidden entries inside computed blocks."""
 
     @property
     def causal(self) -> bool:
@@ -203,9 +206,10 @@ class CallRecorder:
         steps = ring.size + (ring.extra_backward_hops if op == "backward" else 0)
         per_step = (lambda zero: [zero] * steps) if ring.size > 1 else (lambda zero: [])
         self.stats = RingCallStats(
-            op=op, plan=plan, rank=ring.rank, world_size=ring.size, layout=layout, mask=mask,
+            op=op, plan=plan, rank=ring.rank, world_size=ring.size, layout=getattr(layout, "name", layout), mask=mask,
             shape=(batch, heads_q, k.shape[1], local_len, head_dim), dtype=str(q.dtype).removeprefix("torch."),
             bytes_sent_per_step=per_step(0), work_per_step=[0] * ring.size, bytes_received_per_step=per_step(0),
+            kernel_entries_per_step=[0] * ring.size,
             transfer_s_per_step=per_step(0.0), hidden_s_per_step=per_step(0.0), exposed_s_per_step=per_step(0.0),
         )
 
@@ -240,6 +244,7 @@ class CallRecorder:
         if self.enabled:
             entries = batch * block.score_entries if visible is None else visible
             self.stats.work_per_step[step] += heads_q * entries
+            self.stats.kernel_entries_per_step[step] += heads_q * batch * block.kernel_entries
 
     def publish(self) -> None:
         if self.enabled:

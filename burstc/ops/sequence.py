@@ -21,13 +21,14 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from burstc.errors import wait_for_peer
-from burstc.layout import local_positions
+from burstc.layout import local_positions, resolve_layout
 from burstc.ops.ring_comm import wait_timeout
 
 
-def _positions(group_name: str, seq_len: int, layout: str, device) -> Tensor:
+def _positions(group_name: str, seq_len: int, layout: str, device, chunk_owners: Tensor | None = None) -> Tensor:
     group = _resolve_process_group(group_name)
-    return local_positions(seq_len, dist.get_world_size(group), dist.get_rank(group), layout, device=device)
+    return local_positions(seq_len, dist.get_world_size(group), dist.get_rank(group),
+                           resolve_layout(layout, chunk_owners, seq_len), device=device)
 
 
 def _padded(x: Tensor, dim: int, padded_len: int, pad_value: float) -> Tensor:
@@ -40,16 +41,16 @@ def _padded(x: Tensor, dim: int, padded_len: int, pad_value: float) -> Tensor:
 
 @torch.library.custom_op("burstc::shard_seq", mutates_args=())
 def shard_seq(x: Tensor, dim: int, group_name: str, layout: str, padded_len: int = -1,
-              pad_value: float = 0.0) -> Tensor:
+              pad_value: float = 0.0, chunk_owners: Tensor | None = None) -> Tensor:
     """This rank's tokens of ``x`` along ``dim``; with ``padded_len`` > S, ``x`` is first padded at
     the end with ``pad_value`` (the shard pass pads only where that is exact: causal attention,
-    ignored targets)."""
+    ignored targets).  ``chunk_owners``: the call's chunks, for layout ``"documents"``."""
     x = _padded(x, dim, padded_len, pad_value)
-    return x.index_select(dim, _positions(group_name, x.shape[dim], layout, x.device))
+    return x.index_select(dim, _positions(group_name, x.shape[dim], layout, x.device, chunk_owners))
 
 
 @shard_seq.register_fake
-def _(x, dim, group_name, layout, padded_len=-1, pad_value=0.0):
+def _(x, dim, group_name, layout, padded_len=-1, pad_value=0.0, chunk_owners=None):
     world = dist.get_world_size(_resolve_process_group(group_name))
     shape = list(x.shape)
     shape[dim] = max(shape[dim], padded_len) // world
@@ -58,39 +59,43 @@ def _(x, dim, group_name, layout, padded_len=-1, pad_value=0.0):
 
 @torch.library.custom_op("burstc::unshard_seq_grad", mutates_args=())
 def unshard_seq_grad(grad: Tensor, dim: int, full_len: int, group_name: str, layout: str,
-                     padded_len: int = -1) -> Tensor:
+                     padded_len: int = -1, chunk_owners: Tensor | None = None) -> Tensor:
     world = dist.get_world_size(_resolve_process_group(group_name))
     total = grad.shape[dim] * world
     shape = list(grad.shape)
     shape[dim] = total
-    full = grad.new_zeros(shape).index_copy(dim, _positions(group_name, total, layout, grad.device), grad)
+    positions = _positions(group_name, total, layout, grad.device, chunk_owners)
+    full = grad.new_zeros(shape).index_copy(dim, positions, grad)
     return full.narrow(dim, 0, full_len).contiguous()
 
 
 @unshard_seq_grad.register_fake
-def _(grad, dim, full_len, group_name, layout, padded_len=-1):
+def _(grad, dim, full_len, group_name, layout, padded_len=-1, chunk_owners=None):
     shape = list(grad.shape)
     shape[dim] = full_len
     return grad.new_empty(shape)
 
 
 def _shard_setup(ctx, inputs, output):
-    x, dim, group_name, layout, padded_len, _ = inputs
+    x, dim, group_name, layout, padded_len, _, chunk_owners = inputs
     ctx.args = (dim, x.shape[dim], group_name, layout, padded_len)
+    ctx.save_for_backward(chunk_owners)
     ctx.differentiable = x.is_floating_point() or x.is_complex()
 
 
 def _shard_backward(ctx, grad):
     if not ctx.differentiable:
-        return None, None, None, None, None, None
-    return torch.ops.burstc.unshard_seq_grad(grad, *ctx.args), None, None, None, None, None
+        return None, None, None, None, None, None, None
+    chunk_owners, = ctx.saved_tensors
+    return torch.ops.burstc.unshard_seq_grad(grad, *ctx.args, chunk_owners), None, None, None, None, None, None
 
 
 shard_seq.register_autograd(_shard_backward, setup_context=_shard_setup)
 
 
 @torch.library.custom_op("burstc::gather_seq", mutates_args=())
-def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int = -1) -> Tensor:
+def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int = -1,
+               chunk_owners: Tensor | None = None) -> Tensor:
     """All ranks' shards -> the full tensor in global order (its first ``true_len`` positions)."""
     group = _resolve_process_group(group_name)
     world = dist.get_world_size(group)
@@ -100,6 +105,7 @@ def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int 
                   f"burstc gather_seq: rank {dist.get_rank()} waited for the other ranks of its sequence group",
                   "Every rank of the mesh must call the compiled model, with the same batch")
     full_len = local.shape[0] * world
+    layout = resolve_layout(layout, chunk_owners, full_len)
     positions = torch.cat([local_positions(full_len, world, r, layout, device=x.device) for r in range(world)])
     full = torch.empty((full_len,) + tuple(local.shape[1:]), dtype=x.dtype, device=x.device)
     full[positions] = torch.cat(chunks)
@@ -109,7 +115,7 @@ def gather_seq(x: Tensor, dim: int, group_name: str, layout: str, true_len: int 
 
 
 @gather_seq.register_fake
-def _(x, dim, group_name, layout, true_len=-1):
+def _(x, dim, group_name, layout, true_len=-1, chunk_owners=None):
     world = dist.get_world_size(_resolve_process_group(group_name))
     shape = list(x.shape)
     shape[dim] = true_len if true_len >= 0 else shape[dim] * world
@@ -117,14 +123,17 @@ def _(x, dim, group_name, layout, true_len=-1):
 
 
 def _gather_setup(ctx, inputs, output):
-    x, dim, group_name, layout, _ = inputs
+    x, dim, group_name, layout, _, chunk_owners = inputs
     world = dist.get_world_size(_resolve_process_group(group_name))
     ctx.args = (dim, group_name, layout, x.shape[dim] * world)
+    ctx.save_for_backward(chunk_owners)
 
 
 def _gather_backward(ctx, grad):
     dim, group_name, layout, padded_len = ctx.args
-    return torch.ops.burstc.shard_seq(grad.contiguous(), dim, group_name, layout, padded_len, 0.0), None, None, None, None
+    chunk_owners, = ctx.saved_tensors
+    return (torch.ops.burstc.shard_seq(grad.contiguous(), dim, group_name, layout, padded_len, 0.0, chunk_owners),
+            None, None, None, None, None)
 
 
 gather_seq.register_autograd(_gather_backward, setup_context=_gather_setup)

@@ -20,9 +20,10 @@ import dataclasses
 
 import torch
 
-from burstc.attention_ir import MaskSpec, SlidingWindow
+from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
 from burstc.layout import LAYOUTS, required_multiple
-from burstc.block_geometry import pairs_hidden_by_data
+from burstc.block_geometry import (data_blocks, document_travelling_rows, documents_sorted, pairs_hidden_by_data,
+                                   travelling_rows)
 from burstc.planner import masked_plan, max_over_mean, predicted_transfers, predicted_work
 
 
@@ -81,7 +82,8 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
     if doc_ids is not None or key_valid is not None:
         hidden = pairs_hidden_by_data(layout, mask, seq_len // world_size, world_size, doc_ids, key_valid)
         transfers = predicted_transfers(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
-                                        dtype, hidden)
+                                        dtype, hidden, rows_between=data_rows(layout, mask, seq_len // world_size,
+                                                                               world_size, doc_ids, key_valid, hidden))
         masked = dataclasses.replace(masked, transfers=transfers)
     work_by_op = {op: tuple(batch * heads_q * w for w in predicted_work(layout, static, seq_len, world_size,
                                                                         op == "burst").per_rank)
@@ -93,6 +95,20 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
     return Balance(mask, layout, world_size, seq_len, masked.plan, work_by_op["forward"], work_by_op,
                    masked.transfers, masked.bound_per_rank,
                    dense)
+
+
+def data_rows(layout, mask: MaskSpec, local_len: int, world_size: int, doc_ids, key_valid, hidden):
+    """``rows_between(queries_travel, receiver, sender)``: the op's travelling rows with this call's data
+    (``burstc.ops.ring_loops._rows_between``), for :func:`burstc.planner.predicted_transfers`."""
+    if doc_ids is None or mask.term(Documents) is None or not documents_sorted(doc_ids):
+        return lambda queries_travel, receiver, sender: travelling_rows(
+            queries_travel, layout, mask, receiver, sender, local_len, world_size, hidden)
+
+    def blocks_of(q_owner, kv_owner):
+        return data_blocks(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids, key_valid, True)
+
+    return lambda queries_travel, receiver, sender: document_travelling_rows(
+        queries_travel, layout, mask, receiver, sender, local_len, world_size, hidden, blocks_of)
 
 
 def table_row(balance: Balance) -> str:
