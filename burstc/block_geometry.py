@@ -49,6 +49,7 @@ class Block:
     kv_stop: int
     mask: str = FULL
     visible_entries: int | None = None  # POSITIONS blocks only
+    data_free: bool = False  # the call's runtime data hide nothing inside: the static kernel serves it
 
     def __post_init__(self):
         if self.mask not in BLOCK_MASKS:
@@ -116,7 +117,8 @@ def blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if local_len < 1 or (layout == "zigzag" and local_len % 2):
         raise ValueError(f"layout {layout!r} cannot hold {local_len} tokens per rank")
     s = local_len
-    if mask.term(SlidingWindow) is not None or (isinstance(layout, ChunkLayout) and Causal() in mask.terms):
+    if mask.term(SlidingWindow) is not None or (isinstance(layout, ChunkLayout) and Causal() in mask.terms
+                                                and q_owner != kv_owner):
         # a chunk layout's causal pairs have no closed form: each row's keys are one interval all the same
         return _window_blocks(layout, mask.terms, q_owner, kv_owner, local_len, world_size)
     if Causal() not in mask.terms:
@@ -335,15 +337,19 @@ def documents_sorted(doc_ids_BS: torch.Tensor) -> bool:
 
 
 def trim_blocks_to_documents(found: tuple[Block, ...], q_positions: torch.Tensor, kv_positions: torch.Tensor,
-                             doc_ids_BS: torch.Tensor) -> tuple[Block, ...]:
+                             doc_ids_BS: torch.Tensor, key_valid_BS: torch.Tensor | None = None
+                             ) -> tuple[Block, ...]:
     """``found`` (a pair's static blocks) cut down to the entries whose query and key share a document in some
     batch row, for sorted ids (:func:`documents_sorted`).  Each block's rows split where any batch row's document
     changes; a stretch keeps the keys of its documents (one interval per batch row; their union's bounding range),
-    a stretch with none is dropped, and neighbouring stretches merge while :data:`MERGE_SLACK_ENTRIES` allows.
-    Every result is a :data:`POSITIONS` block (the kernel applies the static terms and the documents element-wise;
-    ``visible_entries`` is the rectangle, an upper bound: the work counters count the data's visible entries), and
-    every visible entry of ``found`` stays covered exactly once."""
+    a stretch with none is dropped, and small neighbouring stretches merge while :data:`MERGE_SLACK_ENTRIES` allows.
+    A box inside one document in every batch row (and, with ``key_valid_BS``, whose keys are all valid) keeps its
+    static block's kernel (:func:`_static_pieces`: full and causal blocks run the flash-style kernels, marked
+    ``data_free``); any other box is a :data:`POSITIONS` block (the kernel applies the static terms and the data
+    element-wise; ``visible_entries`` is its rectangle, an upper bound: the work counters count the data's visible
+    entries).  Every visible entry of ``found`` stays covered exactly once."""
     q_docs_BL, kv_docs_BL = doc_ids_BS[:, q_positions], doc_ids_BS[:, kv_positions]
+    kv_valid_BL = None if key_valid_BS is None else key_valid_BS[:, kv_positions]
     trimmed = []
     for block in found:
         if block.q_stop <= block.q_start or block.kv_stop <= block.kv_start:
@@ -363,9 +369,34 @@ def trim_blocks_to_documents(found: tuple[Block, ...], q_positions: torch.Tensor
         bounds = starts.tolist() + [rows_BR.shape[1]]
         boxes = [(bounds[t], bounds[t + 1], kv_lo[t], kv_hi[t]) for t in range(len(kv_lo)) if kv_hi[t] > kv_lo[t]]
         for q0, q1, k0, k1 in _merged_boxes(boxes):
-            trimmed.append(Block(block.q_start + q0, block.q_start + q1, block.kv_start + k0, block.kv_start + k1,
-                                 POSITIONS, (q1 - q0) * (k1 - k0)))
+            q_docs_BR, kv_docs_BK = rows_BR[:, q0:q1], keys_BK[:, k0:k1]
+            one_document = bool((q_docs_BR == q_docs_BR[:, :1]).all() and (kv_docs_BK == q_docs_BR[:, :1]).all())
+            valid = kv_valid_BL is None or bool(kv_valid_BL[:, block.kv_start + k0:block.kv_start + k1].all())
+            if one_document and valid and block.mask != POSITIONS:
+                trimmed.extend(_static_pieces(block, q0, q1, k0, k1))
+            else:
+                trimmed.append(Block(block.q_start + q0, block.q_start + q1, block.kv_start + k0, block.kv_start + k1,
+                                     POSITIONS, (q1 - q0) * (k1 - k0)))
     return tuple(trimmed)
+
+
+def _static_pieces(block: Block, q0: int, q1: int, k0: int, k1: int) -> list[Block]:
+    """Box ``[q0, q1) x [k0, k1)`` (relative to ``block``, a full or top-left causal block) as full / top-left causal
+    blocks marked ``data_free``.  In a causal block, row r sees keys up to r: keys before the box's first row are
+    seen by all its rows (full), the keys from there on form a top-left causal block (rows before the first key
+    see none of them)."""
+    at = lambda q_start, q_stop, kv_start, kv_stop, kind: Block(  # noqa: E731
+        block.q_start + q_start, block.q_start + q_stop, block.kv_start + kv_start, block.kv_start + kv_stop, kind,
+        data_free=True)
+    if block.mask == FULL:
+        return [at(q0, q1, k0, k1, FULL)]
+    pieces = []
+    if k0 < min(q0, k1):
+        pieces.append(at(q0, q1, k0, min(q0, k1), FULL))
+    start, stop = max(q0, k0), min(k1, q1)
+    if start < stop:
+        pieces.append(at(start, q1, start, stop, CAUSAL))
+    return pieces
 
 
 def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
@@ -386,7 +417,7 @@ def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
             seq_len, device = local_len * world_size, doc_ids_BS.device
             found = trim_blocks_to_documents(found, local_positions(seq_len, world_size, q_owner, layout, device),
                                              local_positions(seq_len, world_size, kv_owner, layout, device),
-                                             doc_ids_BS)
+                                             doc_ids_BS, key_valid_BS)
     return found
 
 
@@ -412,7 +443,8 @@ def _merged_boxes(boxes: list) -> list:
             nq0, nq1, nk0, nk1 = box
             lo, hi = min(k0, nk0), max(k1, nk1)
             new_area = area + (nq1 - nq0) * (nk1 - nk0)
-            if (nq1 - q0) * (hi - lo) - new_area <= MERGE_SLACK_ENTRIES:
+            # small boxes only: a large one keeps its own (static, flash-style) kernel
+            if (nq1 - q0) * (hi - lo) - new_area <= MERGE_SLACK_ENTRIES and new_area <= 4 * MERGE_SLACK_ENTRIES:
                 merged[-1] = (q0, nq1, lo, hi, new_area)
                 continue
         merged.append((*box, (box[1] - box[0]) * (box[3] - box[2])))

@@ -132,7 +132,7 @@ def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_ow
                   ring: Ring, device) -> tuple[Tensor, Tensor] | None:
     """The block's global ``(q positions, kv positions)`` when it needs the position-masked kernel
     (a :data:`POSITIONS` block, score mods, or runtime terms), else None (the flash-style kernels serve it)."""
-    if block.mask != POSITIONS and not mask.score_mods and not mask.runtime_terms:
+    if block.mask != POSITIONS and not mask.score_mods and (block.data_free or not mask.runtime_terms):
         return None
     seq_len = local_len * ring.size
     return (local_positions(seq_len, ring.size, q_owner, layout, device)[block.q_rows],
@@ -143,7 +143,7 @@ def _record(recorder: CallRecorder, step: int, block: Block, positions, mask: Ma
             batch: int, heads_q: int) -> None:
     """Count the block's work: with runtime terms, the entries the data leave visible."""
     visible = None
-    if recorder.enabled and mask.runtime_terms:
+    if recorder.enabled and mask.runtime_terms and positions is not None:  # else the data hide nothing inside
         visible = int(visible_entries(*positions, mask, **data.kernel_args()).sum())
     recorder.computed(step, block, batch, heads_q, visible)
 
