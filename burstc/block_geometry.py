@@ -12,10 +12,10 @@ Executable masks (:func:`check_executable`): ``Causal`` and ``SlidingWindow`` te
 the static geometry: it answers for ``MaskSpec.static_part`` (the ring op evaluates the runtime
 terms element-wise inside those blocks, from the data) and refuses a spec with runtime terms.  Full and causal keep their closed-form blocks; with a window, each query
 row sees one interval of the pair's keys (global positions are increasing in local order), found by
-binary search.  Rows seeing the same keys make full blocks; each stretch between them one block,
-full or causal when its intervals say so, else positions over its bounding box.  Every row sees its
-own diagonal under a static mask, and the own pair stays one block, so it covers every query row
-(the ring's merge starts from it).
+binary search.  Rows seeing the same keys make full blocks; the stretches between them (a window's band) are
+tiled, each tile a full block of the keys all its rows see plus its ragged edges (full or causal when their
+intervals say so, else positions over their bounding box).  Without a window the own pair is one block covering
+every query row (the ring's merge starts from it); with one, the merge starts from an empty accumulator.
 
 Local order is increasing global order (:func:`burstc.layout.local_positions`), so a causal mask
 between two shards of the same rank is the plain local causal mask.
@@ -158,14 +158,11 @@ def visible_intervals(q_positions: torch.Tensor, kv_positions: torch.Tensor, mas
 @functools.lru_cache(maxsize=4096)
 def _window_blocks(layout: str, terms: tuple, q_owner: int, kv_owner: int, local_len: int, world_size: int
                    ) -> tuple[Block, ...]:
-    """The pair's blocks under a window (cached: the op asks every step).  The own pair is one block
-    (the ring's merge starts from it, so it must cover every row); another pair splits into runs of
-    rows: rows seeing the same keys make a full block, the rows between them one block each stretch."""
+    """The pair's blocks under a window (cached: the op asks every step): runs of rows seeing the same keys make
+    a full block, the rows between them (a band) tiles (:func:`_tiled_blocks`)."""
     seq_len = local_len * world_size
     lo, hi = visible_intervals(local_positions(seq_len, world_size, q_owner, layout),
                                local_positions(seq_len, world_size, kv_owner, layout), MaskSpec(terms))
-    if q_owner == kv_owner:
-        return (_rows_block(0, local_len, lo, hi),)
     change = torch.ones(local_len, dtype=torch.bool)
     change[1:] = (lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])
     starts = change.nonzero().flatten().tolist() + [local_len]
@@ -177,13 +174,52 @@ def _window_blocks(layout: str, terms: tuple, q_owner: int, kv_owner: int, local
             pending = start if pending is None else pending
             continue
         if pending is not None:
-            found.append(_rows_block(pending, start, lo, hi))
+            found.extend(_tiled_blocks(pending, start, lo, hi))
             pending = None
         if seen:
             found.append(Block(start, stop, int(lo[start]), int(hi[start])))
     if pending is not None:
-        found.append(_rows_block(pending, local_len, lo, hi))
+        found.extend(_tiled_blocks(pending, local_len, lo, hi))
     return tuple(found)
+
+
+WINDOW_TILE_ROWS = 128
+"""Rows per tile of a window's band (:func:`_tiled_blocks`): the band's ragged edges run the position-masked
+kernel on tiles this tall, its middle the flash-style full and causal kernels."""
+
+
+def _tiled_blocks(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> list[Block]:
+    """Rows ``[q_start, q_stop)`` (each seeing keys ``[lo, hi)``, the intervals changing row by row: a window's
+    band) as tiles of :data:`WINDOW_TILE_ROWS` rows.  A tile whose rows share keys splits into the keys all its rows
+    see (a full block) and the ragged parts before and after (a sliding window's: an anti-causal triangle, masked by
+    positions, and a causal one); the three parts are disjoint in keys and cover each row's interval exactly.  A
+    tile without shared keys is one block over its rows' bounding box.  Stretches and tiles that are already one
+    full or causal block stay one."""
+    whole = _rows_block(q_start, q_stop, lo, hi)
+    if whole.mask != POSITIONS:
+        return [whole]
+    found = []
+    for start in range(q_start, q_stop, WINDOW_TILE_ROWS):
+        stop = min(start + WINDOW_TILE_ROWS, q_stop)
+        tile_lo, tile_hi = lo[start:stop], hi[start:stop]
+        seen = tile_hi > tile_lo
+        if not bool(seen.any()):
+            continue
+        shared_lo, shared_hi = int(tile_lo[seen].max()), int(tile_hi[seen].min())
+        tile = _rows_block(start, stop, lo, hi)
+        small = tile.kernel_entries <= MERGE_SLACK_ENTRIES  # a kernel call's fixed cost: one call is cheaper
+        if small or not bool(seen.all()) or shared_lo >= shared_hi or tile.mask != POSITIONS:
+            found.append(tile)
+            continue
+        found.append(Block(start, stop, shared_lo, shared_hi))
+        for part_lo, part_hi in ((tile_lo, tile_hi.clamp(max=shared_lo)), (tile_lo.clamp(min=shared_hi), tile_hi)):
+            rows = (part_hi > part_lo).nonzero().flatten()
+            if rows.numel():
+                first, last = int(rows[0]), int(rows[-1]) + 1
+                clipped_lo, clipped_hi = lo.clone(), hi.clone()
+                clipped_lo[start:stop], clipped_hi[start:stop] = part_lo, torch.maximum(part_hi, part_lo)
+                found.append(_rows_block(start + first, start + last, clipped_lo, clipped_hi))
+    return found
 
 
 def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> Block:

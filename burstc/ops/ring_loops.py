@@ -27,11 +27,13 @@ full and causal blocks without score mods run the flash-style kernels of
 :mod:`burstc.kernels.masked_attention_blocks`.
 
 Runtime terms (documents, key padding): their data (``doc_ids_BS``, ``key_valid_BS``, the whole
-sequence on every rank) are evaluated element-wise, so every block of the static geometry
-(``mask.static_part``) runs the masked kernel, and a pair whose data show nothing visible (disjoint
+sequence on every rank) are evaluated element-wise, so the blocks of the static geometry
+(``mask.static_part``) run the masked kernel, and a pair whose data show nothing visible (disjoint
 document-id ranges, or no valid key, in every batch row) is neither computed nor sent (every rank
 decides it from the same replicated data, :func:`burstc.block_geometry.pairs_hidden_by_data`; other
-pairs send their static part's rows).  No block need then cover every query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
+pairs send their static part's rows).  Packed documents (sorted ids) cut the blocks to the documents
+(:func:`burstc.block_geometry.data_blocks`): a piece inside one document keeps the flash-style kernel
+(``data_free``), and only the rows the pieces read travel.  No block need then cover every query row, and a row may see nothing at all: the forward merge starts from an empty accumulator
 (out 0, lse -inf) and such a row ends with out 0, lse -inf (as single-device SDPA's 0) and zero
 gradients.  Work counters count the entries the data leave visible.
 LSE convention: :mod:`burstc.ops.lse_merge`.
@@ -44,7 +46,7 @@ import functools
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import Documents, MaskSpec
+from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
 from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
@@ -230,7 +232,9 @@ class _Accumulator:
 
     def __init__(self, q_BHSD: Tensor, mask: MaskSpec):
         self.out = self.lse = None
-        if mask.runtime_terms:  # rows may see nothing in a block, or anywhere: start empty
+        # runtime terms: rows may see nothing in a block, or anywhere; a window: the own pair is several blocks
+        self.starts_empty = bool(mask.runtime_terms) or mask.term(SlidingWindow) is not None
+        if self.starts_empty:
             batch, heads_q, local_len, head_dim = q_BHSD.shape
             self.out = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
             self.lse = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
@@ -262,7 +266,7 @@ def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, sc
             out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
                                                     **data.kernel_args())
         _record(recorder, step, block, positions, mask, data, batch, heads_q)
-        if mask.runtime_terms:
+        if acc.starts_empty:
             rows = block.q_rows
             merge_attention_block_or_empty_(acc.out[:, :, rows], acc.lse[:, :, rows], out_blk, lse_blk)
         elif acc.out is None:
