@@ -111,7 +111,8 @@ def test_burstc_bench_end_to_end(installed_burstc, tmp_path):
     for name, row in results.items():
         assert set(row["by_seq_len"]) == {"64", "128"}, name
         for cell in row["by_seq_len"].values():
-            for key in ("tokens_per_s_per_rank", "step_s", "peak_mib_per_rank", "mfu", "loss0", "grad_norm0"):
+            for key in ("tokens_per_s_per_rank", "step_s", "cpu_s", "tokens_per_cpu_s_per_rank", "peak_mib_per_rank",
+                        "mfu", "loss0", "grad_norm0"):
                 assert cell[key] > 0 and cell[key] == cell[key], (name, key, cell[key])
             assert cell["ranks"] == (1 if name == "eager" else 2)
             if name != "eager":
@@ -124,6 +125,8 @@ def test_burstc_bench_end_to_end(installed_burstc, tmp_path):
         peer = results["allgather_kv"]["by_seq_len"][s]
         assert abs(peer["loss0"] - eager["loss0"]) <= rtol * abs(eager["loss0"])
         assert ours["best_peer"] in ("allgather_kv", "eager")
+        best_cpu = max(results[n]["by_seq_len"][s]["tokens_per_cpu_s_per_rank"] for n in ("allgather_kv", "eager"))
+        assert ours["cpu_tokens_vs_best_peer"] == pytest.approx(ours["tokens_per_cpu_s_per_rank"] / best_cpu)
     table = (tmp_path / "burstc-bench" / "end_to_end.md").read_text()
     assert table.count("| burstc (defaults) | 2 |") == 2 and "Targets at S = 128" in table
     assert "| lucidrains zig-zag | - | - | n/a: ring-attention-pytorch is not installed" in table

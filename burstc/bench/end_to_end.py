@@ -26,13 +26,16 @@ Rows (the same model, weights, tokens and AdamW; ``ROWS``):
   ``torch.compile``, and ``torch.compile`` under ``torch._functorch.config.activation_memory_budget`` (``--budget``).
 
 Columns: tokens/s per rank (tokens a rank trains per second, best of ``--steps`` timed steps after a warm-up step
-that compiles, slowest rank); peak memory per rank (:func:`burstc.memory.measure_peak` over the timed steps, i.e. the
+that compiles, slowest rank); tokens per CPU-second per rank (the same tokens over the CPU time the rank's process,
+its communication threads included, spent in the step: on a machine shared with other work a wall-clock step
+mostly measures the scheduler, the more so for P rank processes than for one; best step, slowest rank); peak memory per rank (:func:`burstc.memory.measure_peak` over the timed steps, i.e. the
 step's peak above what the process held before it, plus the parameters and AdamW state); attention bytes sent per
 rank per step (burstc: its ring's byte counters; peers: their algorithm's bytes by formula,
 :func:`burstc.bench.peers.peer_bytes`; the parameter-gradient all-reduce, the same for every distributed
 row, is not counted); MFU (model FLOPs per rank per second over the measured peak of one CPU thread, see
 :func:`step_flops` and :func:`measure_cpu_peak_flops`); loss and gradient-norm error of step 0 against ``eager`` at
-the same length; ratios to the best peer (the fastest non-burstc row at that length).  Every rank and the
+the same length; ratios to the best peer (the fastest non-burstc row at that length; by CPU time, the peer with
+the most tokens per CPU-second).  Every rank and the
 one-process rows run one thread, so a rank is one core.  Then, per row, the longest sequence whose measured peak
 stays within ``--memory-cap-mib``: each attempt in a fresh process group, doubling then bisecting on a grid.
 """
@@ -312,12 +315,12 @@ def step_case(rank: int, world_size: int, row: str) -> dict:
         with record_stats() as stats, measure_peak("cpu") as peak:
             if state["distributed"]:
                 dist.barrier()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             state["loss_fn"]()
             state["optimizer"].step()
             state["optimizer"].zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - started
-    return {"time_s": elapsed, "peak_bytes": peak.extra_bytes + _state_bytes(state["model"], state["optimizer"]),
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    return {"time_s": elapsed, "cpu_s": cpu, "peak_bytes": peak.extra_bytes + _state_bytes(state["model"], state["optimizer"]),
             "burstc_bytes_sent": sum(c.total_bytes_sent for c in stats.calls), "load_average": os.getloadavg()[0]}
 
 
@@ -356,6 +359,7 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
     per step, the best step; the highest peak."""
     times = [max(r["time_s"] for r in ranks) for ranks in steps]
     step_s = min(times)
+    cpu_s = min(max(r["cpu_s"] for r in ranks) for ranks in steps)
     tokens = prepared[0]["tokens"]
     if case.row in BURSTC_ROWS:
         sent, how = max(r["burstc_bytes_sent"] for r in steps[-1]), "measured (record_stats)"
@@ -365,6 +369,7 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
         "ranks": case.ranks, "step_s": step_s, "step_median_s": sorted(times)[len(times) // 2],
         "warmup_s": max(r["warmup_s"] for r in prepared),
         "tokens_per_s_per_rank": tokens / step_s,
+        "cpu_s": cpu_s, "tokens_per_cpu_s_per_rank": tokens / cpu_s,
         "peak_mib_per_rank": max(r["peak_bytes"] for ranks in steps for r in ranks) / 2**20,
         "attention_mib_sent_per_rank": sent / 2**20, "bytes_counted": how,
         "mfu": step_flops(case.shape, case.seq_len) / case.ranks / step_s / peak_flops,
@@ -487,6 +492,9 @@ def ratios(results: dict) -> None:
         for cell in cells.values():
             cell["best_peer"] = best_name
             cell["tokens_vs_best_peer"] = cell["tokens_per_s_per_rank"] / best["tokens_per_s_per_rank"]
+            if "tokens_per_cpu_s_per_rank" in cell and all("tokens_per_cpu_s_per_rank" in c for c in peers.values()):
+                best_cpu = max(c["tokens_per_cpu_s_per_rank"] for c in peers.values())  # (older JSON: none)
+                cell["cpu_tokens_vs_best_peer"] = cell["tokens_per_cpu_s_per_rank"] / best_cpu
             cell["memory_vs_best_peer"] = cell["peak_mib_per_rank"] / best["peak_mib_per_rank"]
 
 
@@ -552,23 +560,26 @@ def markdown(report: dict) -> str:
         f"MFU against {machine['peak_gflops']:.1f} GFLOP/s per thread ({machine['peak_method']}). "
         f"Command: `{cfg['command']}`.",
         "",
-        "| system | ranks | S | tokens/s/rank | step s | peak MiB/rank | attention MiB sent/rank | MFU | "
-        "loss err vs eager | grad-norm err vs eager | tokens/s vs best peer | memory vs best peer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | ranks | S | tokens/s/rank | step s | tokens/CPU-s/rank | peak MiB/rank | attention MiB sent/rank "
+        "| MFU | loss err vs eager | grad-norm err vs eager | tokens/s vs best peer | tokens/CPU-s vs best peer "
+        "| memory vs best peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results.items():
         if "skipped" in row:
-            lines.append(f"| {LABELS[name]} | - | - | n/a: {row['skipped']} | | | | | | | | |")
+            lines.append(f"| {LABELS[name]} | - | - | n/a: {row['skipped']} | | | | | | | | | | |")
             continue
         for s, c in sorted(row["by_seq_len"].items()):
             sent = f"{c['attention_mib_sent_per_rank']:.1f}" + (" (formula)" if c["bytes_counted"].startswith(
                 "formula") else "")
             err = lambda key: f"{c[key]:.1e}" if key in c else "-"  # noqa: E731
+            per_cpu_s = f"{c['tokens_per_cpu_s_per_rank']:,.0f}" if "tokens_per_cpu_s_per_rank" in c else "-"
+            cpu_ratio = f"{c['cpu_tokens_vs_best_peer']:.2f}x" if "cpu_tokens_vs_best_peer" in c else "-"
             lines.append(
                 f"| {LABELS[name]} | {c['ranks']} | {s} | {c['tokens_per_s_per_rank']:,.0f} | {c['step_s']:.3f} "
-                f"| {c['peak_mib_per_rank']:.0f} | {sent} | {100 * c['mfu']:.1f}% | {err('loss_error_vs_eager')} "
-                f"| {err('grad_norm_error_vs_eager')} | {c.get('tokens_vs_best_peer', 0):.2f}x "
-                f"| {c.get('memory_vs_best_peer', 0):.2f}x |")
+                f"| {per_cpu_s} | {c['peak_mib_per_rank']:.0f} | {sent} | {100 * c['mfu']:.1f}% "
+                f"| {err('loss_error_vs_eager')} | {err('grad_norm_error_vs_eager')} "
+                f"| {c.get('tokens_vs_best_peer', 0):.2f}x | {cpu_ratio} | {c.get('memory_vs_best_peer', 0):.2f}x |")
     if cfg["memory_cap_mib"]:
         lines += ["", f"Longest sequence trained within {cfg['memory_cap_mib']:.0f} MiB per rank (measured peak; grid "
                       f"of {_grid(cfg['ranks'])}, doubling then {cfg['cap_bisect']} bisection(s), up to "
