@@ -7,10 +7,10 @@
 Implementations (all get the same zigzag / head-tail sharded inputs, chunks r and 2P-1-r on rank r):
 
 * ``burstc``: ``burstc.ops.ring_attention`` (zigzag, planner's backward plan).
-* ``torch_ring``: PyTorch's own ring, ``_templated_ring_attention`` / ``_templated_ring_attention_backward``
-  from ``torch.distributed.tensor.experimental._context_parallel._attention`` driven by the CPU flash
-  ops, head-tail load balance, K/V rotated by all-to-all (a ring); ``torch_ring_allgather``: the same
-  with its default all-gather rotation.
+* ``torch_ring``: PyTorch's own ring (``burstc.bench.peers.TorchRing``), ``_templated_ring_attention`` /
+  ``_templated_ring_attention_backward`` from ``torch.distributed.tensor.experimental._context_parallel._attention``
+  driven by the CPU flash ops, head-tail load balance, K/V rotated by all-to-all (a ring); ``torch_ring_allgather``:
+  the same with its default all-gather rotation.
 * ``lucidrains_zigzag``: ``ring_attention_pytorch.zig_zag_attention.zig_zag_attn`` as shipped (all-gather
   K/V + SDPA with the zigzag causal mask).  Its all-gather backward keeps only the local slice of
   dK/dV (no reduce-scatter), so its dK/dV are per-rank partial sums: see the grad error column.
@@ -21,7 +21,8 @@ Implementations (all get the same zigzag / head-tail sharded inputs, chunks r an
 
 Columns: time per fwd+bwd step (best and median of interleaved rounds, slowest rank; CPU
 seconds of the slowest rank, which a shared, loaded machine disturbs less than wall time), bytes sent per rank per call (burstc: its
-byte counter; peers: the exact per-rank bytes of their algorithm, formulas in ``_peer_bytes``),
+byte counter; peers: the exact per-rank bytes of their algorithm, formulas in
+``burstc.bench.peers.peer_bytes``),
 work balance (max/mean over ranks of score entries computed), max abs error vs single-device fp32
 SDPA on the same inputs, and ratios to burstc.
 """
@@ -44,12 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from burstc import layout as layouts  # noqa: E402
 from burstc.attention_ir import MaskSpec  # noqa: E402
+from burstc.bench.peers import TorchRing, allgather_kv_attention, peer_bytes  # noqa: E402
 from burstc.block_geometry import blocks  # noqa: E402
-from burstc.attention_ir import MaskSpec  # noqa: E402
 from burstc.planner import masked_plan  # noqa: E402
 from burstc.testing import WorkerGroup  # noqa: E402
 
-aten = torch.ops.aten
 IMPLS = ("burstc", "torch_ring", "torch_ring_allgather", "lucidrains_zigzag", "allgather_kv", "ulysses")
 RING_PEERS = ("torch_ring", "torch_ring_allgather")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -95,54 +95,11 @@ def run_burstc(q, k, v, grad_out, group):
     return out, q_.grad, k_.grad, v_.grad, info
 
 
-class _TorchRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, rotate):
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-        with _torch_cp_options(rotate):
-            out, lse, *_ = cp._templated_ring_attention(
-                group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v, is_causal=True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.rotate = group, rotate
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-        q, k, v, out, lse = ctx.saved_tensors
-        with _torch_cp_options(ctx.rotate):
-            dq, dk, dv, *_ = cp._templated_ring_attention_backward(
-                ctx.group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-                grad_out=grad_out.contiguous(), grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-                logsumexp=lse, is_causal=True, dropout_p=0.0)
-        return dq, dk, dv, None, None
-
-
-class _torch_cp_options:
-    """Head-tail load balance on, the given K/V rotation; restores the previous options."""
-
-    def __init__(self, rotate):
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-
-        self.cp, self.rotate = cp, rotate
-
-    def __enter__(self):
-        options = self.cp._cp_options
-        self.saved = (options.enable_load_balance, options.rotate_method)
-        options.enable_load_balance = True
-        options.rotate_method = self.rotate
-
-    def __exit__(self, *exc):
-        self.cp._cp_options.enable_load_balance, self.cp._cp_options.rotate_method = self.saved
-
-
 def _run_torch_ring(q, k, v, grad_out, group, rotate_name):
     from torch.distributed.tensor.experimental._context_parallel._attention import _RotateMethod
 
     q_, k_, v_ = _leaves(q, k, v)
-    out = _TorchRing.apply(q_, k_, v_, group, getattr(_RotateMethod, rotate_name))
+    out = TorchRing.apply(q_, k_, v_, group, getattr(_RotateMethod, rotate_name))
     out.backward(grad_out)
     return out, q_.grad, k_.grad, v_.grad, {}
 
@@ -168,42 +125,6 @@ def run_lucidrains_zigzag(q, k, v, grad_out, group):
     out = zig_zag_attn(q_, k_, v_, attn_mask=mask)
     out.backward(grad_out)
     return out, q_.grad, k_.grad, v_.grad, {}
-
-
-class _AllGatherSeq(torch.autograd.Function):
-    """All-gather along the sequence (rank order); backward: reduce-scatter (sum) of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        chunks = [c.contiguous() for c in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
-        out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, group=ctx.group)
-        return out, None
-
-
-def allgather_kv_attention(q, k, v, group):
-    """Causal attention of zigzag-sharded ``[B, H, s, D]`` q/k/v (Llama-3 style): K/V all-gathered (dK/dV
-    reduce-scattered by autograd), each local chunk against its causal prefix."""
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    local_len = q.shape[2]
-    half, seq_len = local_len // 2, local_len * world_size
-    inverse = torch.argsort(layouts.permutation(seq_len, world_size, "zigzag"))
-    k_full, v_full = (_AllGatherSeq.apply(t, group).index_select(2, inverse) for t in (k, v))  # natural order
-    outs = []
-    for local_chunk, global_chunk in enumerate((rank, 2 * world_size - 1 - rank)):
-        rows = slice(local_chunk * half, (local_chunk + 1) * half)
-        prefix = (global_chunk + 1) * half  # keys this chunk can see: a prefix, causal in its last block
-        mask = torch.ones(half, prefix, dtype=torch.bool).tril(prefix - half)
-        outs.append(F.scaled_dot_product_attention(q[:, :, rows], k_full[:, :, :prefix], v_full[:, :, :prefix],
-                                                   attn_mask=mask, enable_gqa=True))
-    return torch.cat(outs, dim=2)
 
 
 def run_allgather_kv(q, k, v, grad_out, group):
@@ -281,24 +202,9 @@ def _applicable(impl: str, config: Config) -> str | None:
 
 def _peer_bytes(impl: str, config: Config) -> tuple[int, int]:
     """(forward, backward) bytes each rank sends per call, from the peer's algorithm."""
-    P, B, D = config.world_size, config.batch, config.head_dim
-    s = config.seq_len // P
-    a = torch.empty((), dtype=DTYPES[config.dtype]).element_size()
-    kv = 2 * B * s * config.heads_kv * D * a          # one rank's K and V
-    dkv_fp32 = 2 * B * s * config.heads_kv * D * 4
-    q_bytes = B * s * config.heads_q * D * a
-    if impl in ("torch_ring", "torch_ring_allgather"):
-        # K,V to P-1 peers (ring or all-gather: the same bytes); dK,dV in fp32 (convert_to_f32)
-        # rotated with all-to-all at each of the P steps
-        return (P - 1) * kv, (P - 1) * kv + P * dkv_fp32
-    if impl == "lucidrains_zigzag":
-        return (P - 1) * (kv + 2 * 8), 0  # all-gather K, V (+ an int64 size each); no dK/dV exchange
-    if impl == "allgather_kv":
-        return (P - 1) * kv, (P - 1) * kv  # all-gather K,V; reduce-scatter dK,dV (activation dtype)
-    if impl == "ulysses":
-        share = (P - 1) / P  # all-to-all keeps 1/P at home
-        return int(share * (2 * q_bytes + kv)), int(share * (2 * q_bytes + kv))  # q,k,v,out / dout,dq,dk,dv
-    raise KeyError(impl)
+    return peer_bytes(impl, world_size=config.world_size, seq_len=config.seq_len, batch=config.batch,
+                      heads_q=config.heads_q, heads_kv=config.heads_kv, head_dim=config.head_dim,
+                      element_size=torch.empty((), dtype=DTYPES[config.dtype]).element_size())
 
 
 def _peer_work(impl: str, config: Config, rank: int) -> int:

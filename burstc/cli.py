@@ -1,6 +1,6 @@
 """``burstc`` command line: ``burstc demo`` trains a small causal LM with burstc.compile; ``burstc explain`` shows
 what burstc would do to a model on a cluster (:mod:`burstc.explain`); ``burstc bench`` runs the end-to-end
-benchmark against the peers (``benchmarks/end_to_end.py``)."""
+benchmark against the peers (:mod:`burstc.bench.end_to_end`)."""
 from __future__ import annotations
 
 import argparse
@@ -191,21 +191,10 @@ def demo(argv=None) -> int:
 
 
 def bench(argv=None) -> int:
-    """``burstc bench``: ``benchmarks/end_to_end.py`` of the source checkout burstc is installed from."""
-    import importlib.util
-    from pathlib import Path
+    """``burstc bench``: :mod:`burstc.bench.end_to_end`."""
+    from burstc.bench.end_to_end import main as bench_main
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "end_to_end.py"
-    if not script.is_file():
-        print(f"burstc bench: {script} not found; the benchmark's cases live in the repository's benchmarks/ folder, "
-              "so run it from a source checkout (pip install -e .)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, str(script.parent))  # spawned ranks unpickle its tasks by module name
-    spec = importlib.util.spec_from_file_location("end_to_end", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["end_to_end"] = module
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return bench_main(argv)
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""``burstc bench`` (benchmarks/end_to_end.py): the console script end to end at tiny sizes, the cap search's
+"""``burstc bench`` (burstc/bench/end_to_end.py): the console script end to end at tiny sizes, the cap search's
 logic on a fake memory curve, and the FLOP count by hand."""
 import json
 import subprocess
@@ -8,32 +8,111 @@ from pathlib import Path
 import pytest
 import torch
 
+from burstc.bench import end_to_end
 from burstc.testing.oracle import tolerance
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import end_to_end  # noqa: E402  (benchmarks/end_to_end.py)
+REPO = Path(__file__).resolve().parents[1]
+_WHEEL_SOURCES = ("pyproject.toml", "README.md", "burstc", "passes", "kernels")
+
+
+def _build_wheel(out: Path) -> tuple[Path | None, str]:
+    """(the wheel built from a copy of this checkout, "") or (None, why it could not be built here)."""
+    import importlib.metadata
+    import shutil
+
+    source = out / "source"  # a copy, so that the build leaves no build/ folder in the checkout
+    source.mkdir(parents=True)
+    for name in _WHEEL_SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, source / name)
+    try:  # this environment's build backend when it is new enough (pyproject.toml asks for >= 77), else pip's
+        isolated = int(importlib.metadata.version("setuptools").split(".")[0]) < 77
+    except importlib.metadata.PackageNotFoundError:
+        isolated = True
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out / "dist"), str(source)]
+    done = subprocess.run(command + ([] if isolated else ["--no-build-isolation"]), capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode and isolated and ("No matching distribution" in done.stderr
+                                         or "Could not find a version" in done.stderr):
+        return None, f"no setuptools>=77 to build a wheel with (offline?): {done.stderr.strip()[-300:]}"
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = (out / "dist").glob("burstc-*.whl")
+    return wheel, ""
+
+
+@pytest.fixture(scope="module")
+def installed_burstc(tmp_path_factory) -> Path | None:
+    """A folder holding burstc as a fresh ``pip install burstc`` lays it out (the pure-Python wheel built from
+    this checkout, unpacked), or None where no wheel can be built (then the CLI runs from the checkout)."""
+    import zipfile
+
+    out = tmp_path_factory.mktemp("wheel")
+    wheel, why = _build_wheel(out)
+    if wheel is None:
+        import warnings
+
+        warnings.warn(f"burstc bench runs from the checkout, not from a wheel: {why}")
+        return None
+    with zipfile.ZipFile(wheel) as unpacked:
+        unpacked.extractall(out / "site")
+    return out / "site"
+
+
+# burstc's console script (burstc.cli:main) over several command lines in one process
+_CLI = """
+import sys
+sys.modules["ring_attention_pytorch"] = None  # as if the optional peer were not installed
+import burstc
+from burstc.cli import main
+print("burstc from", burstc.__file__)
+for argv in {argvs!r}:
+    print("=== burstc", *argv, flush=True)
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    print("=== exit", code, flush=True)
+"""
 
 
 @pytest.mark.multirank
-def test_burstc_bench_end_to_end(tmp_path):
-    """2 ranks, 2 short lengths, burstc + a sharded peer + eager + a cap search of a few attempts: every row has
-    positive numbers, burstc's step-0 loss equals eager's, the tables and plots are written."""
-    script = Path(sys.executable).parent / "burstc"
-    command = [str(script) if script.exists() else sys.executable, *([] if script.exists() else ["-m", "burstc.cli"]),
-               "bench", "--ranks", "2", "--seq-lens", "64", "128", "--rows", "burstc", "allgather_kv", "eager",
-               "--dim", "32", "--ffn", "64", "--vocab", "97", "--steps", "1", "--burstc-backend", "aot_eager",
-               "--memory-cap-mib", "0", "--no-progress", "--out-dir", str(tmp_path), "--plots-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+def test_burstc_bench_end_to_end(installed_burstc, tmp_path):
+    """From the installed wheel, in a folder that is not the checkout: ``burstc bench --help``, ``burstc explain``
+    and ``burstc bench`` on 2 ranks at 2 short lengths (burstc + a sharded peer + eager; the lucidrains peer made
+    unimportable): every row has positive numbers, burstc's step-0 loss equals eager's, the missing peer is a
+    skipped row, the tables land in ./burstc-bench and the plots where asked."""
+    import os
+
+    bench = ["bench", "--ranks", "2", "--seq-lens", "64", "128", "--rows", "burstc", "allgather_kv",
+             "lucidrains_zigzag", "eager", "--dim", "32", "--ffn", "64", "--vocab", "97", "--steps", "1",
+             "--burstc-backend", "aot_eager", "--memory-cap-mib", "0", "--no-progress", "--plots-dir", str(tmp_path)]
+    explain = ["explain", "burstc.testing.zoo.hf:hf_llama", "--mesh", "1x2", "--seq-len", "4K"]
+    env = dict(os.environ)
+    if installed_burstc is not None:
+        env["PYTHONPATH"] = str(installed_burstc)  # ahead of the editable install; spawned ranks inherit it
+    done = subprocess.run([sys.executable, "-c", _CLI.format(argvs=[["bench", "--help"], explain, bench])],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "end_to_end.json").read_text())
+    origin = installed_burstc if installed_burstc is not None else REPO
+    assert f"burstc from {origin / 'burstc' / '__init__.py'}" in done.stdout, done.stdout[:300]
+    help_text, explain_text, bench_text = done.stdout.split("=== burstc ")[1:]
+    for text in (help_text, explain_text, bench_text):
+        assert text.rstrip().endswith("=== exit 0"), (text[-1000:], done.stderr[-3000:])
+    assert "--seq-lens" in help_text and "2 ranks" in explain_text and "kv_ring" in explain_text
+
+    report = json.loads((tmp_path / "burstc-bench" / "end_to_end.json").read_text())
     results = report["results"]
+    assert "ring-attention-pytorch is not installed" in results.pop("lucidrains_zigzag")["skipped"]
+    assert "row lucidrains_zigzag skipped: ring-attention-pytorch is not installed" in done.stderr
     assert set(results) == {"burstc", "allgather_kv", "eager"}
     for name, row in results.items():
         assert set(row["by_seq_len"]) == {"64", "128"}, name
         for cell in row["by_seq_len"].values():
-            for key in ("tokens_per_s_per_rank", "step_s", "peak_mib_per_rank", "mfu", "loss0", "grad_norm0"):
+            for key in ("tokens_per_s_per_rank", "step_s", "cpu_s", "tokens_per_cpu_s_per_rank", "peak_mib_per_rank",
+                        "mfu", "loss0", "grad_norm0"):
                 assert cell[key] > 0 and cell[key] == cell[key], (name, key, cell[key])
             assert cell["ranks"] == (1 if name == "eager" else 2)
             if name != "eager":
@@ -46,8 +125,11 @@ def test_burstc_bench_end_to_end(tmp_path):
         peer = results["allgather_kv"]["by_seq_len"][s]
         assert abs(peer["loss0"] - eager["loss0"]) <= rtol * abs(eager["loss0"])
         assert ours["best_peer"] in ("allgather_kv", "eager")
-    table = (tmp_path / "end_to_end.md").read_text()
+        best_cpu = max(results[n]["by_seq_len"][s]["tokens_per_cpu_s_per_rank"] for n in ("allgather_kv", "eager"))
+        assert ours["cpu_tokens_vs_best_peer"] == pytest.approx(ours["tokens_per_cpu_s_per_rank"] / best_cpu)
+    table = (tmp_path / "burstc-bench" / "end_to_end.md").read_text()
     assert table.count("| burstc (defaults) | 2 |") == 2 and "Targets at S = 128" in table
+    assert "| lucidrains zig-zag | - | - | n/a: ring-attention-pytorch is not installed" in table
     assert (tmp_path / "bench-throughput.png").exists() or "matplotlib is not installed" in done.stderr
 
 

@@ -601,6 +601,9 @@ def test_default_chunk_size_memory_budget():
     # V = 262144, H = 64: twice the 64 MiB accumulator allows 256 rows; the 32 MiB budget alone would give 64
     assert default_chunk_size(None, 262144, 64, torch.bfloat16) == 256
     assert default_chunk_size(None, 262144, 4, torch.bfloat16) == 64  # the budget is the floor
+    # a small vocabulary's budget (2048 rows of 4096 fp32 logits) is capped at the GEMM-friendly target
+    assert default_chunk_size(2048, 4096, 128, torch.float32) == 512
+    assert default_chunk_size(None, 2048, 256, torch.bfloat16) == 2048
 
 
 @pytest.mark.parametrize("shape", [(300, 64, 1000), (257, 96, 5003)])
