@@ -13,8 +13,8 @@ the static geometry: it answers for ``MaskSpec.static_part`` (the ring op evalua
 terms element-wise inside those blocks, from the data) and refuses a spec with runtime terms.  Full and causal keep their closed-form blocks; with a window, each query
 row sees one interval of the pair's keys (global positions are increasing in local order), found by
 binary search.  Rows seeing the same keys make full blocks; the stretches between them (a window's band) are
-tiled, each tile a full block of the keys all its rows see plus its ragged edges (full or causal when their
-intervals say so, else positions over their bounding box).  Without a window the own pair is one block covering
+tiled, each tile a full block of the keys all its rows see plus its ragged edges (full, causal or anti-causal when
+their intervals say so, else positions over their bounding box).  Without a window the own pair is one block covering
 every query row (the ring's merge starts from it); with one, the merge starts from an empty accumulator.
 
 Local order is increasing global order (:func:`burstc.layout.local_positions`), so a causal mask
@@ -33,8 +33,9 @@ from burstc.layout import ChunkLayout, check_layout, local_positions
 
 FULL = "full"
 CAUSAL = "causal"  # top-left aligned on the block: block row i sees block keys 0..i
+ANTI_CAUSAL = "anti_causal"  # a square block whose row i sees block keys i..end (a window's trailing edge)
 POSITIONS = "positions"  # element-wise mask from the block's global positions
-BLOCK_MASKS = (FULL, CAUSAL, POSITIONS)
+BLOCK_MASKS = (FULL, CAUSAL, ANTI_CAUSAL, POSITIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,8 @@ class Block:
         if self.visible_entries is not None:
             return self.visible_entries
         rows, cols = self.q_stop - self.q_start, self.kv_stop - self.kv_start
+        if self.mask == ANTI_CAUSAL:
+            return rows * (rows + 1) // 2
         if not self.causal:
             return rows * cols
         triangle = min(rows, cols)
@@ -184,8 +187,8 @@ def _window_blocks(layout: str, terms: tuple, q_owner: int, kv_owner: int, local
 
 
 WINDOW_TILE_ROWS = 128
-"""Rows per tile of a window's band (:func:`_tiled_blocks`): the band's ragged edges run the position-masked
-kernel on tiles this tall, its middle the flash-style full and causal kernels."""
+"""The fewest rows per tile of a window's band (:func:`_tiled_blocks`; tiles are half the band's typical width when
+that is more): its middle runs the full kernel, its edges the causal and (reversed) anti-causal ones."""
 
 
 def _tiled_blocks(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> list[Block]:
@@ -198,9 +201,13 @@ def _tiled_blocks(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor)
     whole = _rows_block(q_start, q_stop, lo, hi)
     if whole.mask != POSITIONS:
         return [whole]
+    # tiles half a typical interval tall (at least WINDOW_TILE_ROWS): the shared part stays wide, the calls few
+    widths = (hi - lo)[q_start:q_stop]
+    tile_rows = max(WINDOW_TILE_ROWS, int(widths[widths > 0].median()) // 2) if bool((widths > 0).any()) \
+        else WINDOW_TILE_ROWS
     found = []
-    for start in range(q_start, q_stop, WINDOW_TILE_ROWS):
-        stop = min(start + WINDOW_TILE_ROWS, q_stop)
+    for start in range(q_start, q_stop, tile_rows):
+        stop = min(start + tile_rows, q_stop)
         tile_lo, tile_hi = lo[start:stop], hi[start:stop]
         seen = tile_hi > tile_lo
         if not bool(seen.any()):
@@ -234,6 +241,9 @@ def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -
         triangle = torch.arange(1, q_stop - q_start + 1).clamp(max=kv_stop - kv_start)
         if torch.equal(counts, triangle):
             return Block(q_start, q_stop, kv_start, kv_stop, CAUSAL)
+    rows = q_stop - q_start
+    if rows == kv_stop - kv_start and bool((hi == kv_stop).all()) and torch.equal(lo - kv_start, torch.arange(rows)):
+        return Block(q_start, q_stop, kv_start, kv_stop, ANTI_CAUSAL)
     return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))
 
 
@@ -408,7 +418,7 @@ def trim_blocks_to_documents(found: tuple[Block, ...], q_positions: torch.Tensor
             q_docs_BR, kv_docs_BK = rows_BR[:, q0:q1], keys_BK[:, k0:k1]
             one_document = bool((q_docs_BR == q_docs_BR[:, :1]).all() and (kv_docs_BK == q_docs_BR[:, :1]).all())
             valid = kv_valid_BL is None or bool(kv_valid_BL[:, block.kv_start + k0:block.kv_start + k1].all())
-            if one_document and valid and block.mask != POSITIONS:
+            if one_document and valid and block.mask in (FULL, CAUSAL):
                 trimmed.extend(_static_pieces(block, q0, q1, k0, k1))
             else:
                 trimmed.append(Block(block.q_start + q0, block.q_start + q1, block.kv_start + k0, block.kv_start + k1,

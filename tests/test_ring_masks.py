@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from burstc import layout as layouts
 from burstc.attention_ir import Alibi, FlexMask, FlexScore, MaskSpec, SlidingWindow, SoftCap
-from burstc.block_geometry import CAUSAL, FULL, POSITIONS, Block, blocks, check_executable
+from burstc.block_geometry import ANTI_CAUSAL, CAUSAL, FULL, POSITIONS, Block, blocks, check_executable
 from burstc.kernels.attention_blocks import reference_block_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward
 from burstc.ops import ring_attention as ra
@@ -44,14 +44,14 @@ def _local_lens(layout):
     return (2, 4, 6) if layout == "zigzag" else (1, 2, 3, 5)
 
 
-@pytest.fixture(params=[128, 2], ids=["tiles128", "tiles2"])
+@pytest.fixture(params=[128, 3], ids=["tiles128", "tiles3"])
 def window_tile_rows(request, monkeypatch):
-    """The band's tile height: the default (tiles taller than these toy shards) and 2 (tiles split into shared,
+    """The band's tile height: the default (tiles taller than these toy shards) and 3 (tiles split into shared,
     anti-causal and causal parts)."""
     from burstc import block_geometry
 
     monkeypatch.setattr(block_geometry, "WINDOW_TILE_ROWS", request.param)
-    if request.param == 2:  # split even these toy tiles
+    if request.param == 3:  # split even these toy tiles
         monkeypatch.setattr(block_geometry, "MERGE_SLACK_ENTRIES", 0)
     block_geometry._window_blocks.cache_clear()
     yield request.param
@@ -80,6 +80,8 @@ def test_window_blocks_cover_exactly_the_visible_entries(layout, world_size, win
                         own = torch.ones(rows, cols, dtype=torch.int64)
                         if block.mask == CAUSAL:
                             own = own.tril()
+                        elif block.mask == ANTI_CAUSAL:
+                            own = own.triu()
                         elif block.mask == POSITIONS:
                             own = visible[block.q_rows, block.kv_rows].to(torch.int64)
                         covered[block.q_rows, block.kv_rows] += own
@@ -98,7 +100,8 @@ def test_windows_use_full_and_causal_blocks_where_the_geometry_allows():
                 wide = blocks(layout, CAUSAL_SPEC & SlidingWindow(32), q_owner, kv_owner, 8, 4)
                 assert wide == blocks(layout, CAUSAL_SPEC, q_owner, kv_owner, 8, 4), (layout, q_owner, kv_owner)
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(0), 1, 1, 8, 4) == (Block(0, 8, 0, 8, POSITIONS, 8),)
-    assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(2), 2, 1, 8, 4) == (Block(0, 2, 6, 8, POSITIONS, 3),)
+    # the band's edge in the neighbour: row 0 sees keys 6, 7, row 1 key 7 (anti-causal: the flash kernel reversed)
+    assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(2), 2, 1, 8, 4) == (Block(0, 2, 6, 8, ANTI_CAUSAL),)
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(2), 2, 0, 8, 4) == ()
     # rows that see the same keys make a full block (flash), the band's edge rows a positions block
     assert blocks("contiguous", CAUSAL_SPEC & SlidingWindow(10), 1, 0, 8, 4) == (
@@ -291,12 +294,12 @@ def test_ring_matches_dense_attention_with_static_masks(workers, world_size, dty
 
 
 def _run_grid_tiled(rank, world_size, dtype, grid):
-    """:func:`_run_grid` with windows' bands split into 2-row tiles (shared full block, anti-causal and causal
+    """:func:`_run_grid` with windows' bands split into 3-row tiles (shared full block, anti-causal and causal
     edges): the own pair is then several blocks and the forward's merge starts empty."""
     from burstc import block_geometry
 
     saved = block_geometry.WINDOW_TILE_ROWS, block_geometry.MERGE_SLACK_ENTRIES
-    block_geometry.WINDOW_TILE_ROWS, block_geometry.MERGE_SLACK_ENTRIES = 2, 0
+    block_geometry.WINDOW_TILE_ROWS, block_geometry.MERGE_SLACK_ENTRIES = 3, 0
     block_geometry._window_blocks.cache_clear()
     try:
         return _run_grid(rank, world_size, dtype, grid)

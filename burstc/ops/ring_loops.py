@@ -49,7 +49,7 @@ from torch import Tensor
 from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
-from burstc.block_geometry import (POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
+from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
                                    documents_sorted, pairs_hidden_by_data, runs_length, travelling_rows)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
@@ -139,6 +139,25 @@ def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_ow
     seq_len = local_len * ring.size
     return (local_positions(seq_len, ring.size, q_owner, layout, device)[block.q_rows],
             local_positions(seq_len, ring.size, kv_owner, layout, device)[block.kv_rows])
+
+
+def _flash_forward(block: Block, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, scale: float):
+    """The flash-style kernel of a full, causal or anti-causal block.  Anti-causal (row r sees keys r..): with the
+    rows and the keys reversed it is top-left causal, so the causal kernel serves it and its output rows are
+    reversed back."""
+    if block.mask == ANTI_CAUSAL:
+        out_BHSD, lse_BHS = block_attention_forward(q_BHSD.flip(2), k_BHSD.flip(2), v_BHSD.flip(2), True, scale)
+        return out_BHSD.flip(2), lse_BHS.flip(2)
+    return block_attention_forward(q_BHSD, k_BHSD, v_BHSD, block.causal, scale)
+
+
+def _flash_backward(block: Block, inputs: tuple, scale: float):
+    """:func:`_flash_forward`'s backward: ``inputs`` (dO, q, k, v, lse, delta, out; dim 2 the sequence in each)
+    reversed for an anti-causal block, and its gradients reversed back."""
+    if block.mask == ANTI_CAUSAL:
+        flipped = tuple(None if t is None else t.flip(2) for t in inputs)
+        return tuple(grad.flip(2) for grad in block_attention_backward(*flipped, True, scale))
+    return block_attention_backward(*inputs, block.causal, scale)
 
 
 def _record(recorder: CallRecorder, step: int, block: Block, positions, mask: MaskSpec, data: MaskData,
@@ -261,7 +280,7 @@ def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, sc
         q_blk, k_blk, v_blk = q_BHSD[:, :, block.q_rows], *(t[:, :, block.kv_rows] for t in kv_cur)
         positions = _positions_of(block, mask, layout, rank, kv_owner, local_len, ring, q_BHSD.device)
         if positions is None:
-            out_blk, lse_blk = block_attention_forward(q_blk, k_blk, v_blk, block.causal, scale)
+            out_blk, lse_blk = _flash_forward(block, q_blk, k_blk, v_blk, scale)
         else:
             out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
                                                     **data.kernel_args())
@@ -376,7 +395,7 @@ def _attend_backward_blocks(plan, travelling, home, q_owner, kv_owner, out, grad
                   None if own_out is None else own_out[:, :, rows])
         positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, grads[_DQ].device)
         if positions is None:
-            block_grads = block_attention_backward(*inputs, block.causal, scale)
+            block_grads = _flash_backward(block, inputs, scale)
         else:
             block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
         _record(recorder, step, block, positions, mask, data, batch, heads_q)
