@@ -141,6 +141,20 @@ def test_classify_forgives_only_what_the_fp64_truth_shows_right():
     assert classify(case, [result(1e-4, 1e-6)]).kind == "mismatch"                       # not in fp32
 
 
+def test_classify_never_forgives_a_nan_pattern_unlike_eagers():
+    """A NaN-pattern difference vs eager (error NaN) is a mismatch even when eager's own pattern differs from the
+    fp64 truth's (both inf vs the truth): the patterns must agree, e.g. eager's NaN LM-head gradient from NaN
+    hidden states at ignored positions."""
+    case = Case(model=ModelSpec(), inputs=InputSpec(), world_size=2)
+    result = _rank_result({"loss": 0.0, "grad:lm_head.weight": float("nan")})
+    result["runs"][0]["grad_errors_vs_truth"] = {"lm_head.weight": float("inf")}
+    result["eager_grad_errors_vs_truth"] = {"lm_head.weight": float("inf")}
+    result["truth_grad_scale"] = 1.0
+    assert classify(case, [result]).kind == "mismatch"
+    same = _rank_result({"loss": 0.0, "grad:lm_head.weight": 0.0})  # equal patterns, equal finite entries
+    assert classify(case, [same]).kind == "rewritten"
+
+
 class _PlantedPool:
     """A stand-in worker pool whose cases 'mismatch' exactly when the model has QK-norm (a planted bug)."""
 
