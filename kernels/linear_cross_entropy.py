@@ -234,16 +234,19 @@ def chunked_linear_cross_entropy(
     # computed too, with a row scale of 0 (see _rows_with_nonfinite_logits).
     computed_index = None
     computes_ignored = False
+    valid_rows = None  # with computes_ignored: the computed rows [0, valid_rows) are valid, the rest ignored
     if skips_rows and num_tokens > 0:
         valid_N = target_N != ignore_index
         if not bool(valid_N.all()):
-            computed_N = valid_N
+            computed_index = valid_N.nonzero().squeeze(1)
             if need_grad_hidden or need_grad_weight or need_grad_bias:
                 ignored_N = ~valid_N if padding_N is None else ~valid_N & ~padding_N
                 nonfinite_N = _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_scale)
                 if nonfinite_N is not None:
-                    computed_N, computes_ignored = valid_N | nonfinite_N, True
-            computed_index = computed_N.nonzero().squeeze(1)
+                    # in chunks of their own, after the valid rows: a low-precision GEMM on CPU may spill one
+                    # row's NaN into its neighbour's product (oneDNN's bf16 kernel pairs rows), never across chunks
+                    valid_rows, computes_ignored = computed_index.numel(), True
+                    computed_index = torch.cat([computed_index, nonfinite_N.nonzero().squeeze(1)])
     active_tokens = num_tokens if computed_index is None else computed_index.numel()
 
     loss_out_N = torch.zeros(num_tokens, dtype=work_dtype, device=device)
@@ -274,7 +277,7 @@ def chunked_linear_cross_entropy(
             hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, computed_index,
             loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
             ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap, logit_scale=logit_scale,
-            padding_N=padding_N if computed_index is None else None,
+            padding_N=padding_N if computed_index is None else None, split_at=valid_rows,
             chunk=max(1, min(int(chunk_size), active_tokens)), scale_rows=uniform_scale is None,
         )
         if logit_scale is not None and grad_bias_acc_V is not None:
@@ -327,12 +330,13 @@ def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_s
 def _chunk_loop(
     hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, computed_index,
     loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
-    *, ignore_index, smoothing, softcap, chunk, scale_rows=True, logit_scale=None, padding_N=None,
+    *, ignore_index, smoothing, softcap, chunk, scale_rows=True, logit_scale=None, padding_N=None, split_at=None,
 ):
     """The chunk loop of chunked_linear_cross_entropy; writes into the *_out / grad_* tensors in place.
 
     Chunks cover tokens [start, stop) or, with ``computed_index``, the listed tokens (rows gathered per chunk).
     ``padding_N`` (bool [N], chunks of every token only): rows whose hidden states and dlogits are zeroed.
+    ``split_at``: no chunk spans that position of the rows walked.
     GEMMs run on chunks of C rows; the softmax passes on blocks of at most _SOFTMAX_BLOCK_ROWS rows of a chunk,
     in an fp32 block buffer (low precision) or in place in the fp32 GEMM output (vocab-major on CPU: the whole
     chunk is one block). Low precision writes each block's rounded dlogits back over its (consumed) logits rows, so
@@ -379,8 +383,9 @@ def _chunk_loop(
             torch.empty(chunk, hidden_size, dtype=dtype, device=device) if grad_hidden_NH is not None else None,
         )
 
-    for start in range(0, active_tokens, chunk):
-        stop = min(start + chunk, active_tokens)
+    split_at = active_tokens if split_at is None else split_at
+    for start in [*range(0, split_at, chunk), *range(split_at, active_tokens, chunk)]:
+        stop = min(start + chunk, split_at if start < split_at else active_tokens)
         count = stop - start
         if computed_index is None:
             tokens = slice(start, stop)

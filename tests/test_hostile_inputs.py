@@ -564,9 +564,10 @@ def test_nan_in_an_input_propagates_as_in_eager(workers):
     (_scaled_output_lm_frozen_body, _inputs_nan_at_ignored_positions),
     (_scaled_output_lm_frozen_body, _inputs_nan_at_ignored_positions_padded),
     pytest.param(_scaled_output_lm, _inputs_nan_at_ignored_positions, marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap (ring attention, not the loss): eager's dV = P^T dO multiplies every key by the NaN rows' "
-        "dO (0 x NaN where masked), so its token-embedding gradient is NaN at every token of that sequence; "
-        "the ring's backward leaves some keys finite")))],
+        "known gap (ring attention, not the loss): eager's attention backward multiplies masked-out zeros by "
+        "the NaN rows' dO (dV = P^T dO) within its kernel's blocks, so its token-embedding gradient is NaN at "
+        "every token of that sequence; the ring's blocks differ and skip fully masked ones, leaving some keys "
+        "finite. How far 0 x NaN reaches is the attention kernel's blocking")))],
     ids=["S=32", "S=31-padded", "through-attention"])
 def test_nan_only_at_ignored_positions_propagates_as_in_eager(workers, model_fn, inputs_fn):
     """The LM head's sharded partial gradients are all-reduced: NaN where eager's (from the rank holding the

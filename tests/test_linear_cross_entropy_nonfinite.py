@@ -9,6 +9,10 @@ ignored rows' hidden gradients NaN. The reference here is eager itself (``F.line
 ``F.cross_entropy`` on the fp32 logits): NaN and inf patterns must be equal; the finite entries are held to the op's
 tolerances (``burstc.testing.TOLERANCES``, "fused_loss"/"fused_loss_grad") against the fp64 oracle of the same step
 with the non-finite ignored rows zeroed, which is what eager's finite entries equal.
+
+In bf16 the patterns are eager's on the same values in fp32: CPU's bf16 GEMM (oneDNN) may spill one row's NaN into
+its neighbour's product (``zeros(37, 127)`` with row 1 NaN, ``@ W``: rows 0 and 1 NaN), a kernel artifact no
+reordering of the rows can reproduce; the fused op keeps the NaN-carrying ignored rows in chunks of their own.
 """
 from __future__ import annotations
 
@@ -78,6 +82,9 @@ def check_against_eager(hidden, weight, target, bias, *, chunk_size=None, impl="
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, chunk_size=chunk_size,
                                  impl=impl, **options)
     eager_loss, eager_grads = loss_and_grads(eager, hidden, weight, target, bias, **options)
+    if hidden.dtype != torch.float32:  # the pattern without the bf16 GEMM's spills (see the module docstring)
+        upcast = [None if t is None else t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
+        eager_loss, eager_grads = loss_and_grads(eager, upcast[0], upcast[1], target, upcast[2], **options)
     names = ("loss", "grad hidden", "grad weight", "grad bias")
     for name, actual, expected in zip(names, [loss, *grads], [eager_loss, *eager_grads]):
         if expected is not None:
@@ -100,18 +107,19 @@ def check_against_eager(hidden, weight, target, bias, *, chunk_size=None, impl="
         if expected is None:
             continue
         finite = torch.isfinite(eager_grad)
-        assert_close_nan_aware(actual[finite], expected[finite], rtol=tol.grad_rtol,
+        assert_close_nan_aware(actual[finite], expected[finite].to(actual.dtype), rtol=tol.grad_rtol,
                                atol=tol.grad_term_atol * magnitude[finite], what=name)
     return loss, grads
 
 
 @st.composite
 def nonfinite_cases(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return dict(
         num_tokens=draw(st.sampled_from([1, 7, 37]) | st.integers(1, 45)),
         vocab=draw(st.sampled_from([5, 127]) | st.integers(2, 150)),
         hidden=draw(st.integers(3, 40)),
-        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        dtype=dtype,
         has_bias=draw(st.booleans()),
         reduction=draw(st.sampled_from(["mean", "sum", "none"])),
         ignore_fraction=draw(st.sampled_from([0.3, 0.6, 1.0])),
@@ -119,14 +127,16 @@ def nonfinite_cases(draw):
         softcap=draw(st.sampled_from([None, None, 2.0])),
         logit_scale=draw(st.sampled_from([None, None, 0.3])),
         chunk_size=draw(st.sampled_from([None, 1, 3]) | st.integers(1, 50)),
-        poison=draw(st.sampled_from(POISONS)),
+        # (a NaN in a valid row meets valid neighbours in one bf16 GEMM: fp32 only, see the module docstring)
+        poison=draw(st.sampled_from(POISONS if dtype == torch.float32 else POISONS[:-1])),
         entries=draw(st.integers(1, 2)),
-        every_row=draw(st.booleans()),
+        # the accelerators' every-row path: one GEMM over every row, so on CPU in bf16 the spill again: fp32
+        every_row=dtype == torch.float32 and draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=nonfinite_cases())
 def test_nonfinite_values_propagate_as_in_eager(case):
     """Random odd shapes, fp32 and bf16, every loss option; the CPU path (ignored rows skipped unless they may
