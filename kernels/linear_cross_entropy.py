@@ -301,19 +301,22 @@ def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_s
     Eager differentiates an ignored row too: its dlogits are 0 x softmax (NaN where its logits are not finite),
     its weight-gradient terms 0 x hidden (NaN where a hidden entry is not finite), its hidden gradient
     0 x weight. A row with finite hidden states, finite weights and bias and no overflow has exactly zero of
-    each. The test is a bound on |logits|: sum_h |x_nh| max_v |W_vh| * |s| + max_v |b_v| below a quarter of the
-    input dtype's largest value (NaN or inf anywhere in it fails the test, as it should). Cost: one pass over
-    W (``aminmax``, no [V, H] temporary) and one over the ignored rows' hidden states (a [1024, H] fp32 block at a
-    time), O(V·H + N·H) time against the op's O(N·V·H); the rows it flags are then computed like valid rows
-    (with a row scale of 0), which costs their share of the GEMMs only when such rows exist."""
+    each. The test is a bound on |logits|: sum_h |x_nh| * max |W| * |s| + max |b| below a quarter of the input
+    dtype's largest value (NaN or inf anywhere in it fails the test, as it should). Cost: one contiguous
+    ``aminmax`` pass over W (no [V, H] temporary) and one over the ignored rows' hidden states (a [1024, H] fp32
+    block at a time): O(V·H + N·H) time against the op's O(N·V·H), O(1024·H) memory. Measured (busy 2-core CPU,
+    N = 1024 with 30% ignored, V = 32768, H = 1024): 84 ms fp32 / 101 ms bf16 against 6.4 s / 4.0 s for the op's
+    forward and backward, 1.3% / 2.5%, falling as 1 / N. The rows it flags are then computed
+    like valid rows (row scale 0), which costs their share of the GEMMs only when such rows exist. (A per-column
+    max of |W| would be tighter, but a strided reduction over V measured 20x slower.)"""
     ignored_index = ignored_N.nonzero().squeeze(1)
     if ignored_index.numel() == 0:
         return None
     work_dtype = torch.float64 if hidden_NH.dtype == torch.float64 else torch.float32
-    low_V, high_V = torch.aminmax(weight_VH, dim=0)
-    col_absmax_H = torch.maximum(high_V.to(work_dtype), -low_V.to(work_dtype))
+    low, high = torch.aminmax(weight_VH)
+    weight_absmax = torch.maximum(high.to(work_dtype), -low.to(work_dtype))
     if logit_scale is not None:
-        col_absmax_H.mul_(abs(float(logit_scale)))
+        weight_absmax = weight_absmax * abs(float(logit_scale))
     offset = 0.0
     if bias_V is not None:
         bias_low, bias_high = torch.aminmax(bias_V)
@@ -322,7 +325,7 @@ def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_s
     nonfinite_N = torch.zeros_like(ignored_N)
     for start in range(0, ignored_index.numel(), _BOUND_BLOCK_ROWS):
         rows = ignored_index[start:start + _BOUND_BLOCK_ROWS]
-        bound_R = torch.mv(hidden_NH[rows].to(work_dtype).abs_(), col_absmax_H) + offset
+        bound_R = hidden_NH[rows].to(work_dtype).abs_().sum(dim=1) * weight_absmax + offset
         nonfinite_N[rows] = ~(bound_R < limit)
     return nonfinite_N if bool(nonfinite_N.any()) else None
 
