@@ -110,7 +110,8 @@ class Case:
                                                                               else "")
         else:
             model = (f"gen:{m.attention}/{m.positions}/H{m.heads}kv{m.kv_heads}"
-                     + "".join(f" {f}" for f in ("documents", "key_padding", "alibi", "qk_norm") if getattr(m, f))
+                     + "".join(f" {f}" for f in ("documents", "document_ids_input", "key_padding", "alibi",
+                                                 "qk_norm") if getattr(m, f))
                      + (f" window={m.window}" if m.window else "") + (f" cap={m.score_softcap}" if m.score_softcap
                                                                       else "")
                      + f" {m.logits_op}/{m.loss}")
@@ -162,16 +163,18 @@ class HypothesisDraw:
 
 
 def generate_flex_spec(d) -> ModelSpec:
-    """A generated model whose attention is FlexAttention: causal, windowed or per-document (ids from the
-    forward's position_ids) mask_mods, a soft-cap or ALiBi score_mod, GQA through enable_gqa or repeats."""
+    """A generated model whose attention is FlexAttention: causal, windowed or per-document (ids an input, or
+    computed in the forward from position_ids: refused, burstc reads only an input) mask_mods, a soft-cap or ALiBi score_mod, GQA through enable_gqa or repeats."""
     heads = d.choice([4, 2])
     kv_heads = d.choice([h for h in (heads, 1, 2) if heads % h == 0])
     score = d.choice([None, None, "softcap", "alibi"])
+    documents = d.boolean(0.4)  # ids as an input (what burstc reads) or from position_ids in the forward
     return ModelSpec(
         dim=d.choice([32, 16]), layers=d.choice([1, 2]), heads=heads, kv_heads=kv_heads, head_dim=d.choice([8, 4]),
         attention="flex", gqa=d.choice(["enable_gqa", "repeat_kv"]) if kv_heads < heads else "repeat_kv",
         qk_norm=d.boolean(0.25), score_softcap=20.0 if score == "softcap" else None, alibi=score == "alibi",
-        window=d.integer(1, 20) if d.boolean(0.3) else None, documents=d.boolean(0.4),
+        window=d.integer(1, 20) if d.boolean(0.3) else None, documents=documents,
+        document_ids_input=documents and d.boolean(0.7),
         positions=d.choice(["rope", "none", "learned"]), norm=d.choice(["rms", "layer"]),
         mlp=d.choice(["swiglu", "none"]), tied=d.boolean(0.3), logits_op=d.choice(["none", "upcast", "softcap"]),
         loss=d.choice(LOSSES),

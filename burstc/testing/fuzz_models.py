@@ -48,6 +48,7 @@ class ModelSpec:
     alibi: bool = False
     window: int | None = None         # keys i - window < j <= i
     documents: bool = False           # document mask from restarting position_ids
+    document_ids_input: bool = False  # flex: the document ids come as an input (torchtitan), not from the forward
     key_padding: bool = False         # hide keys where attention_mask == 0
     positions: str = "rope"           # "rope", "rope_partial", "rope_complex", "learned", "none"
     norm: str = "rms"                 # "rms", "layer", "none"
@@ -288,11 +289,13 @@ class GeneratedLM(nn.Module):
         elif spec.head_bias:
             self.head_bias = nn.Parameter(torch.zeros(spec.vocab).normal_(std=0.02))
 
-    def forward(self, input_ids, labels, position_ids=None, attention_mask=None, use_cache=False):
+    def forward(self, input_ids, labels, position_ids=None, attention_mask=None, use_cache=False, document_ids=None):
         spec, ids = self.spec, input_ids
         b, s = ids.shape
         positions = position_ids if position_ids is not None else torch.arange(s)[None].expand(b, s)
         doc_ids = (positions == 0).cumsum(-1) if spec.documents and position_ids is not None else None
+        if document_ids is not None:
+            doc_ids = document_ids
         key_valid = attention_mask.bool() if spec.key_padding and attention_mask is not None else None
         h = self.embed(ids)
         if spec.positions == "learned":
@@ -407,6 +410,10 @@ def build_inputs(spec: InputSpec, vocab: int) -> dict:
 
 
 def compute_loss(model, inputs: dict):
-    """The loss of either kind of model on the inputs of :func:`build_inputs`."""
+    """The loss of either kind of model on the inputs of :func:`build_inputs` (a generated model whose spec asks
+    for ``document_ids_input`` also gets the document ids of its packed rows, as torchtitan passes them)."""
+    spec = getattr(getattr(model, "_orig_mod", model), "spec", None)
+    if getattr(spec, "document_ids_input", False) and "position_ids" in inputs:
+        inputs = dict(inputs, document_ids=(inputs["position_ids"] == 0).cumsum(-1))
     out = model(**inputs, use_cache=False)
     return out if isinstance(out, torch.Tensor) else out.loss
