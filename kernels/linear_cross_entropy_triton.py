@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from burstc.kernels.linear_cross_entropy import PADDING_TARGET
+
 __all__ = ["triton_available", "interpreter_enabled", "triton_lce_forward", "triton_lce_backward"]
 
 try:  # guarded: the package must import on machines without triton
@@ -126,7 +128,7 @@ def _lce_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, loss_ptr, lse_ptr,
     num_tokens, vocab, hidden_size,
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
-    ignore_index, label_smoothing, softcap, logit_scale,
+    ignore_index, padding_index, label_smoothing, softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -165,7 +167,7 @@ def _lce_forward_kernel(
     loss = log_sumexp + (1.0 - label_smoothing) * (running_max - target_logit)
     if HAS_SMOOTHING:
         loss += label_smoothing * (running_max - logit_sum / vocab)
-    valid = mask_n & (target != ignore_index)
+    valid = mask_n & (target != ignore_index) & (target != padding_index)
     tl.store(lse_ptr + offs_n, lse, mask=mask_n)
     tl.store(loss_ptr + offs_n, tl.where(valid, loss, 0.0), mask=mask_n)
 
@@ -176,7 +178,7 @@ def _lce_backward_kernel(
     grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
     num_tokens, vocab, hidden_size,
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
-    ignore_index, label_smoothing, softcap, logit_scale,
+    ignore_index, padding_index, label_smoothing, softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
@@ -197,7 +199,10 @@ def _lce_backward_kernel(
 
     target = tl.load(target_ptr + offs_n, mask=mask_n, other=ignore_index)
     lse = tl.load(lse_ptr + offs_n, mask=mask_n, other=0.0)
-    valid = mask_n & (target != ignore_index)
+    # every row is computed: an ignored row's dlogits are 0 x its softmax, NaN where that is (as in eager); a
+    # padding row (not the user's: target padding_index) is zeroed outright, hidden states included
+    live_n = mask_n & (target != padding_index)
+    valid = live_n & (target != ignore_index)
     row_scale = tl.where(valid, tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0), 0.0)
     is_target = offs_v[None, :] == target[:, None]
     dlogits = tl.exp(logits - lse[:, None]) - tl.where(is_target, 1.0 - label_smoothing, 0.0)
@@ -206,7 +211,7 @@ def _lce_backward_kernel(
     dlogits = dlogits * row_scale[:, None]
     if HAS_SOFTCAP:
         dlogits = dlogits * (1.0 - tanh * tanh)  # d(c tanh(x / c)) / dx
-    dlogits = tl.where(mask_v[None, :] & mask_n[:, None], dlogits, 0.0)
+    dlogits = tl.where(mask_v[None, :] & live_n[:, None], dlogits, 0.0)
     # eager autograd rounds dlogits to the input dtype before its two matmuls; so do we. A logit scale's chain rule
     # (d(x * s) / dx) multiplies the rounded dlogits by s in the input dtype: another rounding, as in eager.
     dlogits_rounded = _round_to(dlogits, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
@@ -242,7 +247,7 @@ def _lce_backward_kernel(
             if NEED_GRAD_WEIGHT:
                 hidden_tile = tl.load(
                     hidden_ptr + offs_n[:, None] * stride_hidden_n + offs_h[None, :] * stride_hidden_h,
-                    mask=mask_n[:, None] & mask_h[None, :], other=0.0,
+                    mask=live_n[:, None] & mask_h[None, :], other=0.0,
                 )
                 if INTERPRETER_BF16:
                     hidden_tile = hidden_tile.to(tl.float32)
@@ -286,6 +291,7 @@ def _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale,
         stride_weight_v=weight_VH.stride(0),
         stride_weight_h=weight_VH.stride(1),
         ignore_index=ignore_index,
+        padding_index=PADDING_TARGET,
         label_smoothing=float(label_smoothing),
         softcap=float(softcap) if softcap is not None else 1.0,
         logit_scale=float(logit_scale) if logit_scale is not None else 1.0,

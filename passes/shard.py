@@ -38,6 +38,7 @@ import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attentio
 from burstc.ops.ring_comm import UlyssesRing, reduction_group
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, document_ids
 from burstc.layout import AUTO, DOCUMENTS, required_multiple, static_stand_in
+from burstc.ops.linear_cross_entropy import PADDING_TARGET
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
@@ -235,9 +236,10 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         ignore_index = node.kwargs.get("ignore_index", -100)
         with graph.inserting_before(node):
             # the fused-loss pass gave the targets the hidden states' token shape: split them alike
-            # padded positions (if any) get ignore_index: they add nothing to the loss or the count
+            # padded positions (if any) get PADDING_TARGET: they add nothing to the loss, the count or any
+            # gradient (an ignore_index row adds eager's 0 x NaN when its hidden states are not finite)
             target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                               (target, d, group_name, layout, padded_len, float(ignore_index),
+                                               (target, d, group_name, layout, padded_len, float(PADDING_TARGET),
                                                 *owners))
             normalizer = None
             if node.kwargs.get("reduction", "mean") == "mean":

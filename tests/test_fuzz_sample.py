@@ -66,6 +66,32 @@ def test_generated_models_train_in_eager(case):
         assert (inputs["labels"] == -100).all()
 
 
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=fuzz.cases(hf_fraction=0.0, flex_fraction=1.0))
+def test_generated_flex_models_train_in_eager(case):
+    """FlexAttention models (causal / window / document mask_mods, soft-cap / ALiBi score_mods) run a training
+    step in eager (torch's dense CPU backward, as the fuzzer's oracle runs them)."""
+    from burstc.testing.zoo.flex import cpu_flex_backward
+
+    assert case.model.attention == "flex" and not case.model.key_padding
+    model = build_model(case.model, case.seed)
+    inputs = build_inputs(case.inputs, case.vocab)
+    with cpu_flex_backward():
+        loss = compute_loss(model, inputs)
+        loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and (case.inputs.ignore == "all" or all(bool(torch.isfinite(g).all()) for g in grads))
+
+
+def test_flex_fraction_zero_keeps_earlier_seeds():
+    """Drawing no FlexAttention consumes no randomness: a seed's cases are the ones it gave before."""
+    with_flag = _draw_cases(20, seed=11, flex_fraction=0.0)
+    assert with_flag == _draw_cases(20, seed=11) and all(c.model.attention != "flex" for c in with_flag
+                                                         if isinstance(c.model, ModelSpec))
+    assert sum(isinstance(c.model, ModelSpec) and c.model.attention == "flex"
+               for c in _draw_cases(40, seed=11, flex_fraction=0.5)) >= 10
+
+
 def test_generator_respects_feature_rules():
     for case in _draw_cases(300, seed=3, hf_fraction=0.0):
         m = case.model
@@ -139,6 +165,20 @@ def test_classify_forgives_only_what_the_fp64_truth_shows_right():
     bf16_result["runs"][0]["errors"]["grad:key_bias"] = 0.3  # 10x the bf16 tolerance vs eager
     assert classify(bf16_case, [bf16_result]).kind == "rewritten"
     assert classify(case, [result(1e-4, 1e-6)]).kind == "mismatch"                       # not in fp32
+
+
+def test_classify_never_forgives_a_nan_pattern_unlike_eagers():
+    """A NaN-pattern difference vs eager (error NaN) is a mismatch even when eager's own pattern differs from the
+    fp64 truth's (both inf vs the truth): the patterns must agree, e.g. eager's NaN LM-head gradient from NaN
+    hidden states at ignored positions."""
+    case = Case(model=ModelSpec(), inputs=InputSpec(), world_size=2)
+    result = _rank_result({"loss": 0.0, "grad:lm_head.weight": float("nan")})
+    result["runs"][0]["grad_errors_vs_truth"] = {"lm_head.weight": float("inf")}
+    result["eager_grad_errors_vs_truth"] = {"lm_head.weight": float("inf")}
+    result["truth_grad_scale"] = 1.0
+    assert classify(case, [result]).kind == "mismatch"
+    same = _rank_result({"loss": 0.0, "grad:lm_head.weight": 0.0})  # equal patterns, equal finite entries
+    assert classify(case, [same]).kind == "rewritten"
 
 
 class _PlantedPool:

@@ -195,6 +195,46 @@ def test_triton_all_ignored_mean_is_nan_with_zero_grads():
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("poison", ["nan_hidden", "inf_hidden_softcap", "nan_weight", "padding"])
+def test_triton_nonfinite_values_propagate_as_in_eager(poison):
+    """As the chunked path (tests/test_linear_cross_entropy_nonfinite.py): every row is computed, an ignored
+    row's dlogits are 0 x its softmax and its hidden state meets them in dlogits^T @ hidden, so NaN/inf there
+    reach eager's places; rows the shard pass appended (PADDING_TARGET) reach none, even NaN."""
+    from burstc.ops.linear_cross_entropy import PADDING_TARGET
+
+    hidden, weight, target, bias = make_inputs(21, 45, 18, torch.float32, has_bias=True, ignore_fraction=0.0, seed=9)
+    target[:5] = -100
+    softcap = 3.0 if poison == "inf_hidden_softcap" else None
+    kept = slice(None)
+    with torch.no_grad():
+        if poison == "nan_weight":
+            weight[6, 2] = float("nan")
+        else:
+            hidden[3 if poison != "padding" else 19, 7] = float("inf" if poison == "inf_hidden_softcap" else "nan")
+    if poison == "padding":
+        target[-3:], kept = PADDING_TARGET, slice(0, -3)
+    loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton", softcap=softcap)
+    real = hidden.detach()[kept].clone().requires_grad_()
+    eager_loss, eager_grads = loss_and_grads(
+        lambda h, w, t, b, **kw: F.cross_entropy(F.linear(h, w, b).float() if softcap is None else
+                                                 softcap * torch.tanh(F.linear(h, w, b).float() / softcap), t),
+        real, weight, target[kept], bias)
+    torch_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="torch", chunk_size=4,
+                                 softcap=softcap)[1]
+    for name, actual, expected, chunked in zip(("hidden", "weight", "bias"), grads, eager_grads, torch_grads):
+        actual = actual[kept] if name == "hidden" else actual
+        assert torch.equal(actual.isnan(), expected.isnan()), f"grad {name}: NaN pattern differs from eager"
+        assert_close_nan_aware(actual, chunked[kept] if name == "hidden" else chunked, rtol=1e-5,
+                               atol=1e-5 * float(chunked.nan_to_num(0.0).abs().max()), what=f"grad {name}")
+    assert_close_nan_aware(loss, eager_loss, rtol=1e-5, atol=1e-5, what="loss")
+    if poison in ("nan_hidden", "nan_weight"):
+        assert grads[1].isnan().all() and grads[2].isnan().all()
+    if poison == "inf_hidden_softcap":
+        assert grads[1].isnan().any(dim=0).tolist() == [h == 7 for h in range(18)]
+    if poison == "padding":
+        assert torch.isfinite(grads[1]).all() and torch.isfinite(grads[2]).all()
+
+
 @pytest.mark.parametrize("logit_scale", [None, 0.3])
 def test_triton_matches_chunked_torch_path(logit_scale):
     hidden, weight, target, bias = make_inputs(40, 150, 24, torch.float32, has_bias=True, ignore_fraction=0.2, seed=3)

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from burstc.ops.autocast import cast_like_lower_precision, without_autocast
-from burstc.kernels.linear_cross_entropy import chunked_linear_cross_entropy, default_chunk_size
+from burstc.kernels.linear_cross_entropy import PADDING_TARGET, chunked_linear_cross_entropy, default_chunk_size
 
-__all__ = ["linear_cross_entropy", "REDUCTIONS", "IMPLS"]
+__all__ = ["linear_cross_entropy", "REDUCTIONS", "IMPLS", "PADDING_TARGET"]
 
 REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", "torch", "triton")
@@ -451,7 +451,7 @@ def linear_cross_entropy(
         return loss_N.reshape(target.shape)
 
     if normalizer is None and reduction == "mean":
-        normalizer = (target_N != ignore_index).sum()
+        normalizer = ((target_N != ignore_index) & (target_N != PADDING_TARGET)).sum()
     need_grad_hidden = hidden.requires_grad
     need_grad_weight = weight.requires_grad
     need_grad_bias = bias is not None and bias.requires_grad

@@ -110,7 +110,8 @@ class Case:
                                                                               else "")
         else:
             model = (f"gen:{m.attention}/{m.positions}/H{m.heads}kv{m.kv_heads}"
-                     + "".join(f" {f}" for f in ("documents", "key_padding", "alibi", "qk_norm") if getattr(m, f))
+                     + "".join(f" {f}" for f in ("documents", "document_ids_input", "key_padding", "alibi",
+                                                 "qk_norm") if getattr(m, f))
                      + (f" window={m.window}" if m.window else "") + (f" cap={m.score_softcap}" if m.score_softcap
                                                                       else "")
                      + f" {m.logits_op}/{m.loss}")
@@ -159,6 +160,25 @@ class HypothesisDraw:
     def boolean(self, p=0.5):
         from hypothesis import strategies as st
         return self.draw(st.integers(0, 99)) >= round(100 * (1 - p))
+
+
+def generate_flex_spec(d) -> ModelSpec:
+    """A generated model whose attention is FlexAttention: causal, windowed or per-document (ids an input, or
+    computed in the forward from position_ids: refused, burstc reads only an input) mask_mods, a soft-cap or ALiBi score_mod, GQA through enable_gqa or repeats."""
+    heads = d.choice([4, 2])
+    kv_heads = d.choice([h for h in (heads, 1, 2) if heads % h == 0])
+    score = d.choice([None, None, "softcap", "alibi"])
+    documents = d.boolean(0.4)  # ids as an input (what burstc reads) or from position_ids in the forward
+    return ModelSpec(
+        dim=d.choice([32, 16]), layers=d.choice([1, 2]), heads=heads, kv_heads=kv_heads, head_dim=d.choice([8, 4]),
+        attention="flex", gqa=d.choice(["enable_gqa", "repeat_kv"]) if kv_heads < heads else "repeat_kv",
+        qk_norm=d.boolean(0.25), score_softcap=20.0 if score == "softcap" else None, alibi=score == "alibi",
+        window=d.integer(1, 20) if d.boolean(0.3) else None, documents=documents,
+        document_ids_input=documents and d.boolean(0.7),
+        positions=d.choice(["rope", "none", "learned"]), norm=d.choice(["rms", "layer"]),
+        mlp=d.choice(["swiglu", "none"]), tied=d.boolean(0.3), logits_op=d.choice(["none", "upcast", "softcap"]),
+        loss=d.choice(LOSSES),
+    )
 
 
 def generate_model_spec(d) -> ModelSpec:
@@ -238,9 +258,14 @@ def generate_options(d, world_size: int, allow_inductor: bool = False) -> tuple[
     return tuple(options), alternative
 
 
-def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False) -> Case:
+def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
+                  flex_fraction: float = 0.0) -> Case:
+    """``flex_fraction``: share of FlexAttention models; 0 draws nothing for it (earlier seeds stay the same)."""
     world_size = d.choice(list(world_sizes))
-    model = generate_hf_spec(d) if d.boolean(hf_fraction) else generate_model_spec(d)
+    if flex_fraction and d.boolean(flex_fraction):
+        model = generate_flex_spec(d)
+    else:
+        model = generate_hf_spec(d) if d.boolean(hf_fraction) else generate_model_spec(d)
     inputs = generate_input_spec(d, world_size, model)
     options, alternative = generate_options(d, world_size, allow_inductor)
     precision = "fp32" if d.boolean(0.8) else d.choice(["bf16", "autocast"])
@@ -248,13 +273,14 @@ def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_i
                 precision=precision)
 
 
-def cases(world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False):
+def cases(world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
+          flex_fraction: float = 0.0):
     """A hypothesis strategy of :class:`Case`."""
     from hypothesis import strategies as st
 
     @st.composite
     def strategy(draw):
-        return generate_case(HypothesisDraw(draw), world_sizes, hf_fraction, allow_inductor)
+        return generate_case(HypothesisDraw(draw), world_sizes, hf_fraction, allow_inductor, flex_fraction)
 
     return strategy()
 
@@ -267,8 +293,13 @@ def _training_step(model, inputs, run=None, autocast: bool = False):
     a compiled wrapper of it); ``autocast``: the forward under ``torch.autocast("cpu", bfloat16)``."""
     import contextlib
 
+    from burstc.testing.zoo.flex import cpu_flex_backward
+
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+    # FlexAttention on CPU: torch's dense math backward (it has no CPU kernel and refuses requires_grad), for
+    # eager and for a compiled run that keeps a flex_attention eager (a mesh of one)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext(), \
+            cpu_flex_backward():
         loss = compute_loss(model if run is None else run, inputs)
     loss.backward()
     return loss.detach().clone(), parameter_grads(model)
@@ -554,6 +585,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 4], help="world sizes to draw from")
     parser.add_argument("--hf-fraction", type=float, default=0.3, help="share of cases drawn from HF architectures")
     parser.add_argument("--inductor", action="store_true", help="draw backend='inductor' in 5%% of cases")
+    parser.add_argument("--flex-fraction", type=float, default=0.1, help="share of FlexAttention models")
     parser.add_argument("--out", default="fuzz-out", help="folder for reproducers and the JSON summary")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
     parser.add_argument("--reduce-tries", type=int, default=10, help="reruns spent reducing each failure")
@@ -570,7 +602,8 @@ def main(argv=None) -> int:
     start = time.time()
     with WorkerPool(run_timeout_s=args.timeout) as pool:
         for n in range(args.cases):
-            case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor)
+            case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor,
+                                 args.flex_fraction)
             case_start = time.time()
             outcome = run_case(pool, case, args.timeout)
             counts["tried"] += 1

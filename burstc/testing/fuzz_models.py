@@ -34,7 +34,8 @@ class ModelSpec:
     kv_heads: int = 4
     head_dim: int = 8
     # "sdpa_causal" (is_causal=True), "sdpa_bool" (bool attn_mask), "sdpa_float" (additive attn_mask),
-    # "manual" (softmax(q k^T s + mask) v written out)
+    # "manual" (softmax(q k^T s + mask) v written out), "flex" (FlexAttention with a create_block_mask mask_mod:
+    # causal, & window, & document ids captured from the forward; score_mod: soft-cap or ALiBi)
     attention: str = "sdpa_causal"
     mask_source: str = "arange"       # "arange" (built per call), "buffer" (nanoGPT's tril buffer), "triu"
     mask_fill: str = "-inf"           # additive / masked_fill value: "-inf" or "finfo.min"
@@ -47,6 +48,7 @@ class ModelSpec:
     alibi: bool = False
     window: int | None = None         # keys i - window < j <= i
     documents: bool = False           # document mask from restarting position_ids
+    document_ids_input: bool = False  # flex: the document ids come as an input (torchtitan), not from the forward
     key_padding: bool = False         # hide keys where attention_mask == 0
     positions: str = "rope"           # "rope", "rope_partial", "rope_complex", "learned", "none"
     norm: str = "rms"                 # "rms", "layer", "none"
@@ -129,6 +131,38 @@ class FuzzAttention(nn.Module):
         distance = (i[None, :] - i[:, None]).to(dtype)              # j - i, <= 0 where causal
         return self.alibi_slopes.to(dtype)[None, :, None, None] * distance[None, None]
 
+    def _flex(self, q, k, v, doc_ids, enable_gqa):
+        """FlexAttention with a block mask built per call (torchtitan's path); eager on CPU needs
+        ``burstc.testing.zoo.flex.cpu_flex_backward`` around it (torch has no CPU FlexAttention backward)."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        spec = self.spec
+        window = spec.window
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            allowed = q_idx >= kv_idx
+            if window is not None:
+                allowed = allowed & (q_idx - kv_idx < window)
+            if doc_ids is not None:
+                allowed = allowed & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+            return allowed
+
+        score_mod = None
+        if spec.score_softcap is not None:
+            cap = spec.score_softcap
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return cap * torch.tanh(score / cap)
+        elif spec.alibi:
+            slopes = self.alibi_slopes
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + slopes[h] * (kv_idx - q_idx)
+        batch, seq = q.shape[0], q.shape[2]
+        block_mask = create_block_mask(mask_mod, batch if doc_ids is not None else None, None, seq, seq,
+                                       device=q.device)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa)
+
     def forward(self, x, rope, doc_ids, key_valid):
         spec = self.spec
         b, s, _ = x.shape
@@ -166,6 +200,8 @@ class FuzzAttention(nn.Module):
             if spec.alibi:
                 additive = additive + self._bias(s, q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive, enable_gqa=enable_gqa)
+        elif spec.attention == "flex":
+            out = self._flex(q, k, v, doc_ids, enable_gqa)
         else:
             scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(spec.head_dim))
             if spec.score_softcap is not None:
@@ -253,11 +289,13 @@ class GeneratedLM(nn.Module):
         elif spec.head_bias:
             self.head_bias = nn.Parameter(torch.zeros(spec.vocab).normal_(std=0.02))
 
-    def forward(self, input_ids, labels, position_ids=None, attention_mask=None, use_cache=False):
+    def forward(self, input_ids, labels, position_ids=None, attention_mask=None, use_cache=False, document_ids=None):
         spec, ids = self.spec, input_ids
         b, s = ids.shape
         positions = position_ids if position_ids is not None else torch.arange(s)[None].expand(b, s)
         doc_ids = (positions == 0).cumsum(-1) if spec.documents and position_ids is not None else None
+        if document_ids is not None:
+            doc_ids = document_ids
         key_valid = attention_mask.bool() if spec.key_padding and attention_mask is not None else None
         h = self.embed(ids)
         if spec.positions == "learned":
@@ -372,6 +410,10 @@ def build_inputs(spec: InputSpec, vocab: int) -> dict:
 
 
 def compute_loss(model, inputs: dict):
-    """The loss of either kind of model on the inputs of :func:`build_inputs`."""
+    """The loss of either kind of model on the inputs of :func:`build_inputs` (a generated model whose spec asks
+    for ``document_ids_input`` also gets the document ids of its packed rows, as torchtitan passes them)."""
+    spec = getattr(getattr(model, "_orig_mod", model), "spec", None)
+    if getattr(spec, "document_ids_input", False) and "position_ids" in inputs:
+        inputs = dict(inputs, document_ids=(inputs["position_ids"] == 0).cumsum(-1))
     out = model(**inputs, use_cache=False)
     return out if isinstance(out, torch.Tensor) else out.loss
