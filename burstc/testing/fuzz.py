@@ -53,6 +53,7 @@ from burstc.testing.fuzz_models import (
     build_model,
     compute_loss,
 )
+from burstc.layout import LAYOUT_OPTIONS
 from burstc.testing.zoo.hf import HF_ARCHITECTURES
 from burstc.testing.oracle import (
     SHARDED_GRAD_FLOOR,
@@ -79,7 +80,7 @@ _HF_MASK_VARIANTS = {
     "FalconConfig": lambda w: (("alibi", True), ("new_decoder_architecture", False), ("num_kv_heads", 4)),
 }
 _NO_SDPA = {"Gemma2Config"}
-LAYOUTS = ("zigzag", "contiguous", "striped")
+LAYOUTS = ("zigzag", "contiguous", "striped")  # what the options draw from (``--layouts``)
 PLANS = ("auto", "kv_ring", "burst")
 
 
@@ -240,6 +241,12 @@ def generate_input_spec(d, world_size: int, model) -> InputSpec:
     ignore = d.choice(["none"] * 6 + ["some"] * 3 + ["all"])
     return InputSpec(batch=batch, seq=seq, documents=documents, padding=padding, pad_lengths=pad_lengths,
                      ignore=ignore, seed=d.integer(0, 2**16))
+
+
+def _draw_layouts(layouts) -> None:
+    """What :func:`generate_options` draws layouts from, from now on (the CLI's ``--layouts``)."""
+    global LAYOUTS
+    LAYOUTS = tuple(layouts)
 
 
 def generate_options(d, world_size: int, allow_inductor: bool = False) -> tuple[tuple, tuple | None]:
@@ -589,7 +596,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="fuzz-out", help="folder for reproducers and the JSON summary")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
     parser.add_argument("--reduce-tries", type=int, default=10, help="reruns spent reducing each failure")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUT_OPTIONS,
+                        help="layouts the options draw from (default: the static ones, as the CI sample; add "
+                             "'auto' and 'documents' for the per-call documents layout)")
     args = parser.parse_args(argv)
+    _draw_layouts(args.layouts)
     if any(p < 1 for p in args.ranks) or args.cases < 1:
         parser.error("--ranks must be >= 1 and --cases >= 1")
     from burstc.testing.workers import WorkerPool
