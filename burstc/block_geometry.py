@@ -193,11 +193,11 @@ that is more): its middle runs the full kernel, its edges the causal and (revers
 
 def _tiled_blocks(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -> list[Block]:
     """Rows ``[q_start, q_stop)`` (each seeing keys ``[lo, hi)``, the intervals changing row by row: a window's
-    band) as tiles of :data:`WINDOW_TILE_ROWS` rows.  A tile whose rows share keys splits into the keys all its rows
-    see (a full block) and the ragged parts before and after (a sliding window's: an anti-causal triangle, masked by
-    positions, and a causal one); the three parts are disjoint in keys and cover each row's interval exactly.  A
-    tile without shared keys is one block over its rows' bounding box.  Stretches and tiles that are already one
-    full or causal block stay one."""
+    band) as tiles half the band's typical width tall (at least :data:`WINDOW_TILE_ROWS` rows).  A tile whose rows
+    share keys splits into the keys all its rows see (a full block) and the ragged parts before and after (a
+    sliding window's: an anti-causal and a causal triangle, :func:`_rows_block` classifies them); the three parts are
+    disjoint in keys and cover each row's interval exactly.  A small tile, or one without shared keys, is one block
+    over its rows' bounding box.  Stretches and tiles that are already one full or causal block stay one."""
     whole = _rows_block(q_start, q_stop, lo, hi)
     if whole.mask != POSITIONS:
         return [whole]

@@ -479,11 +479,11 @@ def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, f
     inserted after the placeholders (the ids come from replicated inputs, so they are ready before anything is
     sharded); the ids' node lands in ``runtime_data`` for the attentions to reuse."""
     from burstc.balance_documents import finest_chunks_per_rank
-    from burstc.ops.document_layout import document_chunks
 
-    node = next(n for n in plan.attention if _mask_of(n, context.facts.attention.get(n)).term(Documents) is not None)
-    mask = _mask_of(node, context.facts.attention.get(node))
-    batch = val(attention_call(node, context.facts.attention.get(node)).query).shape[0]
+    node, match = next((n, m) for n, m in ((n, context.facts.attention.get(n)) for n in plan.attention)
+                       if _mask_of(n, m).term(Documents) is not None)
+    mask = _mask_of(node, match)
+    batch = val(attention_call(node, match).query).shape[0]
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first_op):
         doc_ids, _ = _runtime_mask_data(graph, mask, batch, analyzer.padded_len, fake_mode, runtime_data)

@@ -92,7 +92,7 @@ def _check(per_rank, mesh_shape, grid):
             ring_rank = rank // per_node if ring == "ulysses" else rank  # the hybrid: its rank in its lane's ring
             hidden = pairs_hidden_by_data(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
             # with the data: hidden pairs move nothing, packed documents only their trimmed blocks' rows
-            rows = balance.data_rows(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"], hidden)
+            rows = balance.data_rows(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
             if ring == "ulysses":
                 predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, nodes, *shape,
                                                         hidden_pairs=hidden, rows_between=rows)

@@ -261,8 +261,7 @@ def test_counters_equal_prediction_and_bound_and_results_stay_exact(workers, wor
             hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, data["doc_ids"], data["key_valid"])
             hidden_somewhere += bool(hidden)
             # with the data: hidden pairs move nothing, packed documents only their trimmed blocks' rows
-            data_rows = balance.data_rows(layout, mask, local_len, world_size, data["doc_ids"], data["key_valid"],
-                                           hidden)
+            data_rows = balance.data_rows(layout, mask, local_len, world_size, data["doc_ids"], data["key_valid"])
             transfers = _transfers(layout, mask.static_part, seq_len, world_size, fp32, hidden, data_rows)
             bound = _bound(layout, mask.static_part, seq_len, world_size, fp32)
             simulated = balance.simulate(mask, layout, world_size, seq_len, batch=BATCH, heads_q=HEADS_Q,

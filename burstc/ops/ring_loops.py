@@ -22,8 +22,8 @@ Transfers are double-buffered: the next step's transfers are posted before the c
 computed and waited for after; a step posts receives before sends.  The bytes are what
 :func:`burstc.planner.predicted_transfers` counts (tested per rank and step).
 Which (query, key) entries of a pair are computed is :func:`burstc.block_geometry.blocks`'s answer;
-full and causal blocks without score mods run the flash-style kernels of
-:mod:`burstc.kernels.attention_blocks`, the others the position-masked kernels of
+full, causal and anti-causal blocks without score mods run the flash-style kernels of
+:mod:`burstc.kernels.attention_blocks` (anti-causal on reversed rows and keys), the others the position-masked kernels of
 :mod:`burstc.kernels.masked_attention_blocks`.
 
 Runtime terms (documents, key padding): their data (``doc_ids_BS``, ``key_valid_BS``, the whole
@@ -118,8 +118,9 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
                   any_pair: bool = False):
     """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
     this rank (``any_pair``: any pairs, for a rank that relays others' rows) that the runtime data hide
-    move nothing; with packed documents, the rows the pair's trimmed blocks read (:func:`rows_of_blocks`: both
-    sides derive them from the same replicated ids)."""
+    move nothing; with packed documents, the rows the pair's trimmed blocks read
+    (:func:`burstc.block_geometry.document_travelling_rows`: both sides derive them from the same replicated ids).
+    ``ring`` needs ``size`` (and ``rank`` unless ``any_pair``)."""
     hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
                                   rank=None if any_pair else ring.rank)
     if mask.term(Documents) is None or not data.packed_documents:

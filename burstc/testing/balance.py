@@ -20,10 +20,9 @@ import dataclasses
 
 import torch
 
-from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
+from burstc.attention_ir import MaskSpec, SlidingWindow
 from burstc.layout import LAYOUTS, required_multiple
-from burstc.block_geometry import (data_blocks, document_travelling_rows, documents_sorted, pairs_hidden_by_data,
-                                   travelling_rows)
+from burstc.block_geometry import pairs_hidden_by_data
 from burstc.planner import masked_plan, max_over_mean, predicted_transfers, predicted_work
 
 
@@ -83,7 +82,7 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
         hidden = pairs_hidden_by_data(layout, mask, seq_len // world_size, world_size, doc_ids, key_valid)
         transfers = predicted_transfers(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
                                         dtype, hidden, rows_between=data_rows(layout, mask, seq_len // world_size,
-                                                                               world_size, doc_ids, key_valid, hidden))
+                                                                               world_size, doc_ids, key_valid))
         masked = dataclasses.replace(masked, transfers=transfers)
     work_by_op = {op: tuple(batch * heads_q * w for w in predicted_work(layout, static, seq_len, world_size,
                                                                         op == "burst").per_rank)
@@ -97,18 +96,17 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
                    dense)
 
 
-def data_rows(layout, mask: MaskSpec, local_len: int, world_size: int, doc_ids, key_valid, hidden):
-    """``rows_between(queries_travel, receiver, sender)``: the op's travelling rows with this call's data
-    (``burstc.ops.ring_loops._rows_between``), for :func:`burstc.planner.predicted_transfers`."""
-    if doc_ids is None or mask.term(Documents) is None or not documents_sorted(doc_ids):
-        return lambda queries_travel, receiver, sender: travelling_rows(
-            queries_travel, layout, mask, receiver, sender, local_len, world_size, hidden)
+def data_rows(layout, mask: MaskSpec, local_len: int, world_size: int, doc_ids, key_valid):
+    """``rows_between(queries_travel, receiver, sender)``: the op's travelling rows with this call's data (the op's
+    own ``burstc.ops.ring_loops._rows_between``, over every pair), for :func:`burstc.planner.predicted_transfers`."""
+    from types import SimpleNamespace
 
-    def blocks_of(q_owner, kv_owner):
-        return data_blocks(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids, key_valid, True)
+    from burstc.ops.ring_loops import MaskData, _rows_between
 
-    return lambda queries_travel, receiver, sender: document_travelling_rows(
-        queries_travel, layout, mask, receiver, sender, local_len, world_size, hidden, blocks_of)
+    ring, data = SimpleNamespace(size=world_size, rank=None), MaskData(doc_ids, key_valid)
+    sides = {queries_travel: _rows_between(queries_travel, layout, mask, local_len, ring, data, any_pair=True)
+             for queries_travel in (False, True)}
+    return lambda queries_travel, receiver, sender: sides[queries_travel](receiver=receiver, sender=sender)
 
 
 def table_row(balance: Balance) -> str:
