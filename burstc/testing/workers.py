@@ -124,6 +124,11 @@ def _worker_main(
         else:
             result_queue.put((task_id, rank, True, result))
     dist.destroy_process_group()
+    # Every answer was collected by the parent before it sent the stop message, so nothing is left to flush:
+    # skip the interpreter's teardown (atexit handlers, freeing every compiled graph), seconds per rank.
+    result_queue.close()
+    result_queue.join_thread()
+    os._exit(0)
 
 
 class WorkerGroup:
