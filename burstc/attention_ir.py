@@ -375,8 +375,8 @@ class AttentionMatch:
     def hidden_rows(self) -> str | None:
         """What this attention gives a query row that sees no key, as the ring op's ``hidden_rows``: ``"zero"``
         (SDPA; no float fill), ``"uniform"`` (a finite fill added to the scores that absorbs every score,
-        ``<= UNIFORM_FILL_LIMIT``: fp32/bf16 ``finfo.min``, not fp16's; exact unless a score modification makes
-        the gradient per entry: a soft-cap — ALiBi's bias is a constant), ``"uniform_replaced"`` (a finite fill
+        ``<= UNIFORM_FILL_LIMIT``: fp32/bf16 ``finfo.min``, not fp16's; under ALiBi and a soft-cap too, whose
+        per-entry gradient the op computes from every hidden row), ``"uniform_replaced"`` (a finite fill
         that replaces the scores, ``masked_fill``), or None: no exact mode (``-inf``: NaN rows; mixed fills;
         fp16's ``finfo.min``), such calls must run unsharded."""
         if not self.float_fill:
@@ -386,7 +386,7 @@ class AttentionMatch:
             return None
         if self.fill_replaces:
             return "uniform_replaced"
-        if fill <= UNIFORM_FILL_LIMIT and all(isinstance(mod, Alibi) for mod in self.mask.score_mods):
+        if fill <= UNIFORM_FILL_LIMIT and all(isinstance(mod, (Alibi, SoftCap)) for mod in self.mask.score_mods):
             return "uniform"
         return None
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from burstc import layout as layouts
-from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow, fully_hidden_rows
+from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SlidingWindow, SoftCap, fully_hidden_rows
 from burstc.testing import tolerance
 
 CAUSAL, DOCS, PAD = MaskSpec.causal(), Documents("doc_ids"), KeyPadding("attention_mask")
@@ -23,7 +23,12 @@ MASKS = {
     "causal&window&pad": CAUSAL & SlidingWindow(2) & PAD,
     "causal&docs&pad": CAUSAL & DOCS & PAD,
     "full&pad": MaskSpec((PAD,)),
+    # Gemma-2's soft-cap (a small cap: most scores bent), and ALiBi under it: the per-entry score gradient
+    "causal&pad&softcap": CAUSAL & PAD & SoftCap(0.7),
+    "causal&docs&pad&alibi&softcap": CAUSAL & DOCS & PAD & Alibi((0.5, 0.25, 0.125, 0.0625)) & SoftCap(0.9),
 }
+BASE_MASKS = ("causal&pad", "causal&window&pad", "causal&docs&pad", "full&pad")
+SOFT_CAPPED = ("causal&pad&softcap", "causal&docs&pad&alibi&softcap")
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM, SCALE = 3, 4, 2, 8, 0.3
 
 
@@ -40,15 +45,24 @@ def _data(mask: MaskSpec, seq_len: int, seed: int) -> dict:
     return {"doc_ids": starts.long().cumsum(1) if mask.term(Documents) else None, "key_valid": key_valid}
 
 
-def eager_reference(q, k, v, grad_out, visible_BSS, scale: float, mode: str = "uniform") -> dict:
-    """What HF's eager attention computes, in fp64: scores + finfo.min where hidden (``mode="uniform"``; or the
-    scores replaced by it, ``masked_fill``: ``"uniform_replaced"``), softmax, @ v."""
+def eager_reference(q, k, v, grad_out, visible_BSS, scale: float, mode: str = "uniform",
+                    mask: MaskSpec = CAUSAL) -> dict:
+    """What HF's eager attention computes, in fp64: scores (ALiBi's bias, then the soft-cap, where ``mask`` has
+    them) + finfo.min where hidden (``mode="uniform"``; or the scores replaced by it, ``masked_fill``:
+    ``"uniform_replaced"``), softmax, @ v."""
     leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
     groups = q.shape[1] // k.shape[1]
     key, value = (t.repeat_interleave(groups, 1) for t in leaves[1:])
     fill = torch.zeros(visible_BSS.shape, dtype=torch.float64).masked_fill(~visible_BSS, torch.finfo(torch.float64).min)
     fill = fill.unsqueeze(1)
     scores = leaves[0] @ key.transpose(-1, -2) * scale
+    pos = torch.arange(q.shape[2], dtype=torch.float64)
+    if mask.term(Alibi) is not None:
+        slopes = torch.tensor(mask.term(Alibi).slopes, dtype=torch.float64)
+        scores = scores + slopes[:, None, None] * (pos[None, :] - pos[:, None])
+    if mask.term(SoftCap) is not None:
+        cap = mask.term(SoftCap).cap
+        scores = cap * torch.tanh(scores / cap)
     if mode == "uniform":
         scores = scores + fill
     else:
@@ -79,7 +93,7 @@ def _run(rank, world_size, dtype, grid):
         pos = torch.arange(seq_len)
         visible = mask.visible(pos, pos, q_docs=data["doc_ids"], kv_docs=data["doc_ids"], kv_valid=data["key_valid"])
         visible = visible.expand(BATCH, seq_len, seq_len)
-        want = eager_reference(q, k, v, grad_out, visible, SCALE, mode)
+        want = eager_reference(q, k, v, grad_out, visible, SCALE, mode, mask)
         shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
         q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
         out = ra.ring_attention(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=SCALE,
@@ -97,11 +111,11 @@ def _run(rank, world_size, dtype, grid):
     return results
 
 
-def _grid(world_size: int, rings=("flat",)):
+def _grid(world_size: int, rings=("flat",), masks=BASE_MASKS):
     grid = []
     for j, layout in enumerate(layouts.LAYOUTS):
         local_len = 4 if layout == "zigzag" else (3 if world_size > 1 else 5)
-        for i, name in enumerate(sorted(MASKS)):
+        for i, name in enumerate(sorted(masks)):
             for ring in rings:
                 mode = ("uniform", "uniform_replaced")[(i // 2 + j) % 2]  # each mode on half the masks of a layout
                 grid.append((layout, local_len, name, ("kv_ring", "burst")[(i + j) % 2], ring, mode))
@@ -127,9 +141,20 @@ def test_uniform_hidden_rows_match_eager(workers, world_size, dtype):
     _check(workers.get(world_size).run(_run, dtype, grid), grid, dtype)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_soft_capped_hidden_rows_match_eager(workers, world_size):
+    """Gemma-2's soft-cap (with ALiBi under it too): every hidden row's (q, dO) reaches every rank, whose keys
+    give their per-entry score gradients; fp32 and bf16 alternate over the grid."""
+    grid = [g[:5] + ("uniform",) for g in _grid(world_size, masks=SOFT_CAPPED)]
+    for dtype in (torch.float32, torch.bfloat16):
+        part = grid[dtype == torch.bfloat16::2]
+        _check(workers.get(world_size).run(_run, dtype, part), part, dtype)
+
+
 def test_uniform_hidden_rows_on_two_level_rings(workers):
     """The double ring and the hybrid (all-to-all in a node) on a 2 x 2 mesh: the sums cross both levels."""
-    grid = [g for g in _grid(4, rings=("double", "ulysses")) if g[2] in ("causal&pad", "causal&docs&pad")
+    grid = [g for g in _grid(4, rings=("double", "ulysses"), masks=(*BASE_MASKS, "causal&pad&softcap"))
+            if g[2] in ("causal&pad", "causal&docs&pad", "causal&pad&softcap")
             and not (g[4] == "ulysses" and g[0] == "striped")]
     _check(workers.get(4).run(_run, torch.float32, grid), grid, torch.float32)
 
@@ -193,7 +218,7 @@ def _padded_attention(fill_kind: str):
     ("added_neg_inf", torch.float32, None),  # eager gives NaN rows: those calls run unsharded
     ("added_mixed", torch.float32, None),    # a hidden row's keys hidden by two fills: not uniform over all
     ("replaced", torch.float32, "uniform_replaced"),
-    ("softcapped", torch.float32, None),
+    ("softcapped", torch.float32, "uniform"),  # the soft-cap's per-entry gradient: from every hidden row
 ])
 def test_the_fill_a_model_hides_scores_with_picks_the_mode(fill_kind, dtype, expected):
     from burstc.testing.graphs import detect_attention_in

@@ -20,8 +20,15 @@ mask data, identically on every rank: every rank joins the all-reduce or none do
 A model that *replaces* hidden scores (``scores.masked_fill(hidden, fill)``) gets the same uniform output for any
 finite fill, but no gradient reaches q and k through the replaced scores: only the dv share applies.
 
-Exact only where ``s + fill == fill`` for every score: the caller checks the fill (finite, ``<= -1e30``: ``AttentionMatch.uniform_hidden_rows``) and that
-no score modification bends the gradient per entry (a soft-cap's ``1 - tanh^2`` is not low-rank).
+Exact only where ``s + fill == fill`` for every score: the caller checks the fill (finite, ``<= -1e30``:
+``AttentionMatch.hidden_rows``).  ALiBi's bias is a constant: it leaves the gradients above unchanged.
+
+A soft-cap (Gemma-2: ``c * tanh(r / c)`` on the scaled scores ``r``, before the fill is added) bends the score
+gradient per entry, ``dr_ij = dS_ij (1 - tanh^2(r_ij / c))`` with ``dS_ij = (dO_i . v_j - dO_i . vbar) / n``: not
+low-rank, so the sums above can't carry it.  Then every rank gets every hidden row's ``(q_i, dO_i)`` (one
+all-reduce of ``[B, H, N, D]`` slots, ``N`` the most hidden rows of a batch row: padding-sized, not ``[S, S]``),
+computes their entries against its own keys in chunks (its ``dk`` share directly; a partial ``dq`` of every slot),
+and one more all-reduce sums the ``dq`` slots, of which each rank keeps its own rows.
 """
 from __future__ import annotations
 
@@ -29,18 +36,27 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from burstc.attention_ir import MaskSpec, document_ids_for_batch, fully_hidden_rows
+from typing import NamedTuple
+
+from burstc.attention_ir import Alibi, MaskSpec, SoftCap, document_ids_for_batch, fully_hidden_rows
 from burstc.errors import wait_for_peer
 from burstc.layout import local_positions
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring
 
 
+class HiddenRows(NamedTuple):
+    """This rank's view of a call's hidden rows."""
+
+    hidden_BL: Tensor     # bool: this rank's query rows that see no key, in local order
+    real_L: Tensor        # bool: this rank's rows that are real keys (global position < keys: not a layout pad)
+    hidden_BS: Tensor     # bool ``[B, keys]``: every rank's hidden rows, by global position
+    positions_L: Tensor   # int64: the global position of each local row
+
+
 def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None, keys: int, layout: str,
-                      rank: int, size: int, local_len: int) -> tuple[Tensor, Tensor] | None:
-    """``(hidden_BL, real_L)``: this rank's query rows that see no key (bool ``[B, L]``, in local order) and its
-    rows that are real keys (global position < ``keys``: not a layout pad); None when no row of the call (on any
-    rank) is hidden."""
+                      rank: int, size: int, local_len: int) -> HiddenRows | None:
+    """This rank's :class:`HiddenRows` of the call; None when no row of the call (on any rank) is hidden."""
     docs = None if doc_ids is None else document_ids_for_batch(doc_ids, doc_ids.shape[0])
     hidden_BS = fully_hidden_rows(mask, doc_ids_BS=docs, key_valid_BS=key_valid)
     if hidden_BS is None:
@@ -52,7 +68,7 @@ def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor 
     real_L = positions < keys
     hidden_BL = torch.zeros(hidden_BS.shape[0], local_len, dtype=torch.bool, device=hidden_BS.device)
     hidden_BL[:, real_L] = hidden_BS[:, positions[real_L]]
-    return hidden_BL, real_L
+    return HiddenRows(hidden_BL, real_L, hidden_BS, positions)
 
 
 def _group_sum(x_BH: Tensor, kv_heads: int) -> Tensor:
@@ -78,9 +94,9 @@ def all_reduce_sequence(tensor: Tensor, ring, what: str) -> Tensor:
     return tensor
 
 
-def add_uniform_rows_(out_BHLD: Tensor, v_BKLD: Tensor, rows: tuple[Tensor, Tensor], keys: int, ring) -> None:
+def add_uniform_rows_(out_BHLD: Tensor, v_BKLD: Tensor, rows: HiddenRows, keys: int, ring) -> None:
     """Forward: give the hidden rows of ``out`` (the ring op's zeros) the mean of V over all ``keys`` keys."""
-    hidden_BL, real_L = rows
+    hidden_BL, real_L = rows.hidden_BL, rows.real_L
     vsum_BKD = v_BKLD[:, :, real_L].to(ACC_DTYPE).sum(2)
     all_reduce_sequence(vsum_BKD, ring, "uniform hidden rows (forward)")
     vbar_BHD = _per_query_head(vsum_BKD / keys, out_BHLD.shape[1]).to(out_BHLD.dtype)
@@ -88,20 +104,23 @@ def add_uniform_rows_(out_BHLD: Tensor, v_BKLD: Tensor, rows: tuple[Tensor, Tens
     out_BHLD.copy_(torch.where(where_BHLD, vbar_BHD[:, :, None, :].expand_as(out_BHLD), out_BHLD))
 
 
-def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor,
-                       rows: tuple[Tensor, Tensor], keys: int, scale: float, ring, score_grad: bool = True
+def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_BKLD: Tensor, rows: HiddenRows,
+                       keys: int, scale: float, ring, score_grad: bool = True, mask: MaskSpec | None = None
                        ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """Backward: the hidden rows' share of ``(dq, dk, dv)`` (fp32, to add to the ring op's), by the formulas
     above; one all-reduce of ``[M, ksum, vsum, N, dosum]``.  ``score_grad=False``: the model replaced the hidden
     scores (``masked_fill``) instead of adding to them, so no gradient reaches q and k through them: dv only
-    (dq and dk shares None)."""
-    hidden_BL, real_L = rows
+    (dq and dk shares None).  A soft-cap in ``mask``: the per-entry path, :func:`_soft_capped_score_grads`."""
+    hidden_BL, real_L = rows.hidden_BL, rows.real_L
     kv_heads, heads_q = k_BKLD.shape[1], q_BHLD.shape[1]
+    softcap = None if mask is None or not score_grad else mask.term(SoftCap)
     real = real_L.to(ACC_DTYPE)[None, None, :, None]
     do_BHLD = grad_out_BHLD.to(ACC_DTYPE) * hidden_BL[:, None, :, None].to(ACC_DTYPE)
+    k32, v32 = k_BKLD.to(ACC_DTYPE) * real, v_BKLD.to(ACC_DTYPE) * real
     sums = [_group_sum(do_BHLD.sum(2), kv_heads)]
-    if score_grad:
-        k32, v32 = k_BKLD.to(ACC_DTYPE) * real, v_BKLD.to(ACC_DTYPE) * real
+    if softcap is not None:
+        sums += [v32.sum(2)]
+    elif score_grad:
         m_BKDD = torch.einsum("bkjv,bkjd->bkvd", v32, k32)
         n_BKDD = _group_sum(torch.einsum("bhid,bhiv->bhdv", q_BHLD.to(ACC_DTYPE), do_BHLD), kv_heads)
         sums += [m_BKDD, k32.sum(2), v32.sum(2), n_BKDD]
@@ -112,6 +131,11 @@ def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_
     dv = (dosum_BKD / keys)[:, :, None, :] * real
     if not score_grad:
         return None, None, dv
+    if softcap is not None:
+        (vsum_BKD,) = score_sums
+        dq, dk = _soft_capped_score_grads(do_BHLD, q_BHLD, k32, v32, vsum_BKD / keys, rows, keys, scale, ring,
+                                          softcap.cap, mask.term(Alibi))
+        return dq, dk, dv
     m_BKDD, ksum_BKD, vsum_BKD, n_BKDD = score_sums
     vbar_BKD = vsum_BKD / keys
     factor = scale / keys
@@ -120,3 +144,57 @@ def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_
                    - dot_BHL[..., None] * _per_query_head(ksum_BKD, heads_q)[:, :, None, :])
     dk = factor * torch.einsum("bkdv,bkjv->bkjd", n_BKDD, v32 - vbar_BKD[:, :, None, :]) * real
     return dq, dk, dv
+
+
+# [B, H, slots, keys] fp32 score entries per chunk of hidden-row slots: 16 Mi entries, 64 MiB per buffer
+_SOFT_CAP_CHUNK_ENTRIES = 1 << 24
+
+
+def _soft_capped_score_grads(do_BHLD: Tensor, q_BHLD: Tensor, k32_BKLD: Tensor, v32_BKLD: Tensor, vbar_BKD: Tensor,
+                             rows: HiddenRows, keys: int, scale: float, ring, cap: float, alibi: Alibi | None
+                             ) -> tuple[Tensor, Tensor]:
+    """The hidden rows' ``(dq, dk)`` shares through a soft-cap: ``dr_ij = (dO_i . v_j - dO_i . vbar) / n
+    * (1 - tanh^2(r_ij / c))``, ``r_ij`` the scaled score (plus ALiBi's bias, applied before the cap), summed into
+    ``dq_i = scale sum_j dr_ij k_j`` and ``dk_j = scale sum_i dr_ij q_i`` over every hidden row i and key j.
+    ``do_BHLD`` is zero outside the hidden rows; ``k32`` / ``v32`` are zero at layout pads."""
+    batch, heads_q, local_len, head_dim = q_BHLD.shape
+    kv_heads = k32_BKLD.shape[1]
+    # every hidden row of batch row b gets slot (its rank among b's hidden rows): [B, N] slots on every rank
+    hidden_BS = rows.hidden_BS
+    slot_BS = hidden_BS.to(torch.int64).cumsum(1) - 1
+    slots = int(hidden_BS.sum(1).max())
+    local_BL = rows.hidden_BL
+    b_idx, l_idx = local_BL.nonzero(as_tuple=True)
+    slot_idx = slot_BS[b_idx, rows.positions_L[l_idx]]
+    # gather (q, dO) of every hidden row by summing each rank's own rows into zeroed slots
+    rows_BHND = q_BHLD.new_zeros((batch, heads_q, slots, 2 * head_dim), dtype=ACC_DTYPE)
+    rows_BHND[b_idx, :, slot_idx] = torch.cat([q_BHLD.to(ACC_DTYPE), do_BHLD], dim=-1)[b_idx, :, l_idx]
+    all_reduce_sequence(rows_BHND, ring, "soft-capped hidden rows (gather)")
+    qh_BHND, doh_BHND = rows_BHND.split(head_dim, dim=-1)
+    # slot positions (for ALiBi): the global position of each slot's row, 0 for unused slots (their dO is 0)
+    pos_BN = torch.zeros(batch, slots, dtype=torch.int64, device=q_BHLD.device)
+    hb, hp = hidden_BS.nonzero(as_tuple=True)
+    pos_BN[hb, slot_BS[hb, hp]] = hp.to(device=pos_BN.device)
+    groups = heads_q // kv_heads
+    k_BHLD, v_BHLD = k32_BKLD.repeat_interleave(groups, 1), v32_BKLD.repeat_interleave(groups, 1)
+    delta_BHN = torch.einsum("bhnd,bhd->bhn", doh_BHND, _per_query_head(vbar_BKD, heads_q))
+    slopes_H = None if alibi is None else torch.tensor(alibi.slopes, dtype=ACC_DTYPE, device=q_BHLD.device)
+    dq_BHND = torch.zeros_like(qh_BHND)
+    dk_BHLD = torch.zeros_like(k_BHLD)
+    chunk = max(1, _SOFT_CAP_CHUNK_ENTRIES // max(1, batch * heads_q * local_len))
+    for lo in range(0, slots, chunk):
+        hi = min(slots, lo + chunk)
+        r_BHNL = torch.einsum("bhnd,bhld->bhnl", qh_BHND[:, :, lo:hi], k_BHLD) * scale
+        if slopes_H is not None:
+            distance_BNL = (rows.positions_L[None, None, :] - pos_BN[:, lo:hi, None]).to(ACC_DTYPE)
+            r_BHNL = r_BHNL + slopes_H[None, :, None, None] * distance_BNL[:, None]
+        tanh_BHNL = torch.tanh(r_BHNL / cap)
+        dp_BHNL = torch.einsum("bhnd,bhld->bhnl", doh_BHND[:, :, lo:hi], v_BHLD)
+        dr_BHNL = (dp_BHNL - delta_BHN[:, :, lo:hi, None]) / keys * (1 - tanh_BHNL * tanh_BHNL)
+        dq_BHND[:, :, lo:hi] = torch.einsum("bhnl,bhld->bhnd", dr_BHNL, k_BHLD) * scale
+        dk_BHLD += torch.einsum("bhnl,bhnd->bhld", dr_BHNL, qh_BHND[:, :, lo:hi]) * scale
+    all_reduce_sequence(dq_BHND, ring, "soft-capped hidden rows (dq)")
+    dq = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHLD.device)
+    dq[b_idx, :, l_idx] = dq_BHND[b_idx, :, slot_idx]
+    dk = _group_sum(dk_BHLD, kv_heads) * rows.real_L.to(ACC_DTYPE)[None, None, :, None]
+    return dq, dk

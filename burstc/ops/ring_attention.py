@@ -180,7 +180,8 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
     if rows is None:
         return grads
-    shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring, uniform_rows_score_grad)
+    shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring, uniform_rows_score_grad,
+                                spec)
     return tuple(g if share is None else (g.to(ACC_DTYPE) + share).to(g.dtype) for g, share in zip(grads, shares))
 
 

@@ -147,6 +147,13 @@ def hf_loss_left_padded(model, ids):
     return model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask, use_cache=False).loss
 
 
+def hf_loss_left_padded_all_labels(model, ids):
+    """:func:`hf_loss_left_padded` with the padding's labels kept: the rows that see only padding get a gradient."""
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
+
+
 def windowed_hf_llama():
     """A Mistral (Llama with a sliding window) whose window (8) is shorter than the sequence."""
     import transformers
