@@ -331,6 +331,28 @@ def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver:
     return _pair_rows_seen(layout, terms, receiver, sender, local_len, world_size)[1]
 
 
+def intersect_runs(a: Runs, b: Runs) -> Runs:
+    """The rows in both ``a`` and ``b`` (each sorted, disjoint runs), as sorted disjoint runs."""
+    found, j = [], 0
+    for start, stop in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < stop:
+            lo, hi = max(start, b[k][0]), min(stop, b[k][1])
+            if lo < hi:
+                found.append((lo, hi))
+            k += 1
+    return tuple(found)
+
+
+def valid_key_runs(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> Runs:
+    """The rows of ``owner``'s shard that are a real key in some batch row (``key_valid_BS`` ``[B, S_global]``):
+    a row that is padding in every batch row is a key no query sees, so it need not travel."""
+    positions = local_positions(local_len * world_size, world_size, owner, layout, key_valid_BS.device)
+    return _runs_of(key_valid_BS[:, positions].any(0).cpu())
+
+
 def data_hides_pair(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
                     doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None) -> bool:
     """Whether the runtime data (``[B, S_global]``, indexed by global position, the same on every rank)
@@ -449,13 +471,18 @@ def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
                 doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None,
                 packed_documents: bool | None = None) -> tuple[Block, ...]:
     """The blocks the ring computes for a pair with this call's data: :func:`blocks` of the static part; none when
-    the data hide the whole pair (:func:`data_hides_pair`); with packed documents (``packed_documents``, default
+    the data hide the whole pair (:func:`data_hides_pair`); without those whose keys are padding in every batch row
+    (they stay home, :func:`valid_key_runs`); with packed documents (``packed_documents``, default
     :func:`documents_sorted`), those blocks trimmed to the documents (:func:`trim_blocks_to_documents`)."""
     if not mask.runtime_terms:
         return blocks(layout, mask, q_owner, kv_owner, local_len, world_size)
     found = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size)
     if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids_BS, key_valid_BS):
         return ()
+    if found and mask.term(KeyPadding) is not None:  # keys padded in every batch row don't travel: drop their blocks
+        kv_valid_L = key_valid_BS[:, local_positions(local_len * world_size, world_size, kv_owner, layout,
+                                                     key_valid_BS.device)].any(0)
+        found = tuple(b for b in found if bool(kv_valid_L[b.kv_start:b.kv_stop].any()))
     if found and mask.term(Documents) is not None:
         if packed_documents is None:
             packed_documents = documents_sorted(doc_ids_BS)

@@ -388,6 +388,13 @@ def zero_redundancy_bound(layout: str, mask, seq_len: int, world_size: int, batc
         keys_seen, rows_seeing = _seen_without_window(positions_PS, Causal() in static.terms)
     else:
         keys_seen, rows_seeing = _seen_by_intervals(positions_PS, static)
+    return _bound_bytes(keys_seen, rows_seeing, per_row)
+
+
+def _bound_bytes(keys_seen: torch.Tensor, rows_seeing: torch.Tensor, per_row: dict) -> dict[str, tuple[int, ...]]:
+    """The bound's bytes per rank from ``keys_seen[a, b]`` (rows of b's keys some query of a sees) and
+    ``rows_seeing[a, b]`` (rows of a's queries that see some key of b)."""
+    keys_seen, rows_seeing = keys_seen.clone(), rows_seeing.clone()
     keys_seen.fill_diagonal_(0)
     rows_seeing.fill_diagonal_(0)
     kv_in, kv_out = keys_seen.sum(1), keys_seen.sum(0)          # rows a rank needs; its rows others need
@@ -396,6 +403,27 @@ def zero_redundancy_bound(layout: str, mask, seq_len: int, world_size: int, batc
              "kv_ring": kv_in * per_row["kv_ring"]["out"] + kv_out * per_row["kv_ring"]["back"],
              "burst": q_in * per_row["burst"]["out"] + q_out * per_row["burst"]["back"]}
     return {op: tuple(int(x) for x in b) for op, b in bound.items()}
+
+
+def data_zero_redundancy_bound(layout, mask, seq_len: int, world_size: int, batch: int, heads_q: int,
+                               heads_kv: int, head_dim: int, dtype: torch.dtype | int,
+                               doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None
+                               ) -> dict[str, tuple[int, ...]]:
+    """:func:`zero_redundancy_bound` with the runtime terms' data (``[B, S]``, the call's documents and padding):
+    a row is needed where some entry of some batch row that the whole mask leaves visible needs it.  Dense per
+    pair of ranks (``B * (S/P)^2`` booleans at a time): for tests, benchmarks and the simulator."""
+    from burstc.kernels.masked_attention_blocks import visible_entries
+
+    per_row = _row_bytes(_values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype))
+    positions = [local_positions(seq_len, world_size, r, layout) for r in range(world_size)]
+    keys_seen = torch.zeros(world_size, world_size, dtype=torch.int64)
+    rows_seeing = torch.zeros(world_size, world_size, dtype=torch.int64)
+    for a in range(world_size):
+        for b in range(world_size):
+            visible = visible_entries(positions[a], positions[b], mask, doc_ids_BS, key_valid_BS)
+            visible = visible.reshape(-1, *visible.shape[-2:]).any(0)      # [S/P queries of a, S/P keys of b]
+            keys_seen[a, b], rows_seeing[a, b] = int(visible.any(0).sum()), int(visible.any(1).sum())
+    return _bound_bytes(keys_seen, rows_seeing, per_row)
 
 
 def over_bound(received: tuple[int, ...], bound: tuple[int, ...]) -> float:

@@ -46,11 +46,12 @@ import functools
 import torch
 from torch import Tensor
 
-from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
+from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
 from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
-                                   documents_sorted, pairs_hidden_by_data, runs_length, travelling_rows)
+                                   documents_sorted, intersect_runs, pairs_hidden_by_data, runs_length,
+                                   travelling_rows, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
@@ -124,11 +125,27 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
     hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
                                   rank=None if any_pair else ring.rank)
     if mask.term(Documents) is None or not data.packed_documents:
-        return functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
-                                 world_size=ring.size, hidden_pairs=hidden)
-    blocks_of = functools.partial(_pair_blocks, layout, mask, local_len=local_len, ring=ring, data=data)
-    return functools.partial(document_travelling_rows, queries_travel, layout, mask, local_len=local_len,
-                             world_size=ring.size, hidden_pairs=hidden, blocks_of=blocks_of)
+        rows_between = functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
+                                         world_size=ring.size, hidden_pairs=hidden)
+    else:
+        blocks_of = functools.partial(_pair_blocks, layout, mask, local_len=local_len, ring=ring, data=data)
+        rows_between = functools.partial(document_travelling_rows, queries_travel, layout, mask,
+                                         local_len=local_len, world_size=ring.size, hidden_pairs=hidden,
+                                         blocks_of=blocks_of)
+    if queries_travel or mask.term(KeyPadding) is None:
+        return rows_between
+    # K/V travel: a row that is padding in every batch row is seen by no query (the kernels that read a padded key
+    # mask it; the flash-style ones run only on blocks whose keys are all valid), so it stays home
+    memo = data.memo
+
+    def valid_rows(sender: int) -> Runs:
+        key = ("valid_keys", layout, sender, local_len, ring.size)
+        if key not in memo:
+            memo[key] = valid_key_runs(layout, sender, local_len, ring.size, data.key_valid_BS)
+        return memo[key]
+
+    return lambda receiver, sender: intersect_runs(rows_between(receiver=receiver, sender=sender),
+                                                   valid_rows(sender))
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,

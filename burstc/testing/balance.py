@@ -23,7 +23,8 @@ import torch
 from burstc.attention_ir import MaskSpec, SlidingWindow
 from burstc.layout import LAYOUTS, required_multiple
 from burstc.block_geometry import pairs_hidden_by_data
-from burstc.planner import masked_plan, max_over_mean, predicted_transfers, predicted_work
+from burstc.planner import data_zero_redundancy_bound, masked_plan, max_over_mean, predicted_transfers, \
+    predicted_work
 
 
 def parse_mask(text: str) -> MaskSpec:
@@ -78,7 +79,10 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
     mask = parse_mask(mask) if isinstance(mask, str) else mask
     static = mask.static_part
     masked = masked_plan(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype, plan)
+    bound = masked.bound_per_rank
     if doc_ids is not None or key_valid is not None:
+        bound = data_zero_redundancy_bound(layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
+                                           dtype, doc_ids, key_valid)
         hidden = pairs_hidden_by_data(layout, mask, seq_len // world_size, world_size, doc_ids, key_valid)
         transfers = predicted_transfers(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
                                         dtype, hidden, rows_between=data_rows(layout, mask, seq_len // world_size,
@@ -92,8 +96,7 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
         dense[name] = masked_plan(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype,
                                   name).dense["backward"]
     return Balance(mask, layout, world_size, seq_len, masked.plan, work_by_op["forward"], work_by_op,
-                   masked.transfers, masked.bound_per_rank,
-                   dense)
+                   masked.transfers, bound, dense)
 
 
 def data_rows(layout, mask: MaskSpec, local_len: int, world_size: int, doc_ids, key_valid):
