@@ -15,6 +15,9 @@ Rows (the same q, k, v, dO on every row; the document rows share one sampled lon
 * ``documents, zigzag``: sorted ids, the blocks trimmed to the documents.
 * ``documents, balanced chunks``: the documents layout (``layout="documents"``, what ``"auto"`` picks for packed
   documents): each call's chunks assigned by :func:`burstc.balance_documents.chunk_owners`.
+* ``documents, cost model's choice``: what ``layout="auto"`` runs for packed documents: the owners op with the cost
+  model's prices (``--compute-gflops``, ``--inter-mbps``; defaults: the CPU calibration of the emulated H100 cluster,
+  45 GFLOP/s and 11.3 MB/s), which gives the balanced chunks or zigzag's per call, whichever it predicts faster.
 * ``torch FlexAttention CP``: torch 2.13's context parallelism for FlexAttention, wired as its ``_ContextParallel``
   FLEX style does: the default head-tail load balancer (its per-document one needs every length a multiple of 2P),
   ``_create_cp_block_mask`` with the document-causal ``mask_mod``, K/V all-gathered (``flex_cp_allgather``) and
@@ -40,7 +43,7 @@ import torch.nn.functional as F
 
 from burstc import layout as layouts
 from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
-from burstc.balance_documents import chunk_owners, document_ids_of_lengths, finest_chunks_per_rank
+from burstc.balance_documents import document_ids_of_lengths, finest_chunks_per_rank, zigzag_owners
 from burstc.layout import ChunkLayout
 from burstc.ops import ring_attention as ra
 from burstc.testing.balance import sample_document_lengths
@@ -49,8 +52,9 @@ from burstc.testing.workers import WorkerGroup
 CAUSAL = MaskSpec.causal()
 DOCS = Documents("doc_ids")
 FLEX_ROW = "torch FlexAttention CP (documents, forward only)"
+CHOICE_ROW = "documents, cost model's choice"
 ROWS = ("causal", "window S/16", "documents, zigzag, untrimmed", "documents, zigzag", "documents, balanced chunks",
-        FLEX_ROW)
+        CHOICE_ROW, FLEX_ROW)
 
 
 def _inputs(args):
@@ -73,9 +77,19 @@ def _row_setup(row: str, args, doc_ids, world_size: int):
         return CAUSAL & DOCS, "zigzag", relabelled, 0.0
     if row == "documents, zigzag":
         return CAUSAL & DOCS, "zigzag", doc_ids, 0.0
+    prices = ()
+    if row == CHOICE_ROW:  # the shard pass's prices for this one attention layer (passes/shard.py)
+        flops_per_entry = 14 * args.heads * args.head_dim  # fwd 4D + bwd 10D per head
+        row_bytes = 3 * 2 * args.heads * args.head_dim * 4  # K and V rows, fp32, B = 1: forward, K/V and dK/dV back
+        prices = (flops_per_entry / (args.compute_gflops * 1e9), row_bytes / (args.inter_mbps * 1e6))
     started = time.perf_counter()
-    owners = torch.ops.burstc.document_chunks(doc_ids, world_size, finest_chunks_per_rank(args.S, world_size))
+    owners = torch.ops.burstc.document_chunks(doc_ids, world_size, finest_chunks_per_rank(args.S, world_size),
+                                              *prices)
     seconds = time.perf_counter() - started
+    if row == CHOICE_ROW:
+        picked = "zigzag" if torch.equal(owners, zigzag_owners(world_size, finest_chunks_per_rank(args.S, world_size))) \
+            else "balanced"
+        print(f"rank {torch.distributed.get_rank()}: the cost model picked the {picked} chunks", flush=True)
     return CAUSAL & DOCS, ChunkLayout.from_owners(owners, args.S), doc_ids, seconds
 
 
@@ -197,6 +211,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     parser.add_argument("--no-reference", action="store_true", help="skip the single-device error check")
+    parser.add_argument("--compute-gflops", type=float, default=45.0, help="the cost model's attention GFLOP/s")
+    parser.add_argument("--inter-mbps", type=float, default=11.3, help="the cost model's ring link, MB/s")
     args = parser.parse_args(argv)
     _, _, lengths = _inputs(args)
     print(f"P={args.P} S={args.S} B=1 H={args.heads} D={args.head_dim} fp32; {len(lengths)} documents "

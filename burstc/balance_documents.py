@@ -165,6 +165,59 @@ def chunk_owners(doc_ids: torch.Tensor, world_size: int, chunks_per_rank: int) -
     return coarse.repeat_interleave(chunks_per_rank * world_size // coarse.numel())
 
 
+def zigzag_owners(world_size: int, chunks_per_rank: int) -> torch.Tensor:
+    """``[chunks_per_rank * world_size]`` int64: the zigzag layout as owners of these finer chunks (zigzag's chunk
+    ``z`` of ``2P`` belongs to rank ``z`` for ``z < P``, else ``2P - 1 - z``)."""
+    if chunks_per_rank < 2 or chunks_per_rank % 2:
+        raise ValueError(f"zigzag needs an even number of chunks per rank, got {chunks_per_rank}")
+    zigzag_chunk = torch.arange(chunks_per_rank * world_size) // (chunks_per_rank // 2)
+    return torch.where(zigzag_chunk < world_size, zigzag_chunk, 2 * world_size - 1 - zigzag_chunk)
+
+
+def rows_needed(doc_ids: torch.Tensor, owner_S: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``[P]`` int64: the K/V rows (positions) of other ranks that some query of each rank sees under ``causal &
+    documents`` in some batch row, what it receives in a forward (the zero-redundancy bound, which the trimmed
+    ring meets).  ``doc_ids``: ``[S]`` or ``[B, S]``; ``owner_S``: each position's rank.  O(P * B * S)."""
+    seq_len = doc_ids.shape[-1]
+    rows = doc_ids.reshape(-1, seq_len)
+    _, dense = torch.unique(rows, return_inverse=True)
+    key_BS = dense + torch.arange(rows.shape[0])[:, None] * (int(dense.max()) + 1)   # a document of a batch row
+    position_BS = torch.arange(seq_len).expand_as(key_BS)
+    needed = torch.zeros(world_size, dtype=torch.int64)
+    for rank in range(world_size):
+        mine_S = owner_S == rank
+        last = torch.full((int(key_BS.max()) + 1,), -1, dtype=torch.int64)
+        last.scatter_reduce_(0, key_BS[:, mine_S].flatten(), position_BS[:, mine_S].flatten(), "amax")
+        seen_BS = position_BS <= last[key_BS]   # a key at or before this rank's last query of its document
+        needed[rank] = int((seen_BS.any(0) & ~mine_S).sum())
+    return needed
+
+
+def predicted_seconds(doc_ids: torch.Tensor, owner_C: torch.Tensor, world_size: int, seconds_per_entry: float,
+                      seconds_per_row: float) -> float:
+    """The busiest rank's ``max(compute, transfer)`` of a call whose chunks are owned as ``owner_C``: its score
+    entries times ``seconds_per_entry`` against the rows it receives times ``seconds_per_row`` (the ring overlaps
+    them)."""
+    weights = torch.tensor(chunk_work(doc_ids, owner_C.numel()), dtype=torch.int64)
+    work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner_C, weights)
+    rows = rows_needed(doc_ids, owner_C.repeat_interleave(doc_ids.shape[-1] // owner_C.numel()), world_size)
+    return float(torch.maximum(work.double() * seconds_per_entry, rows.double() * seconds_per_row).max())
+
+
+def chunk_owners_by_cost(doc_ids: torch.Tensor, world_size: int, chunks_per_rank: int, seconds_per_entry: float,
+                         seconds_per_row: float) -> tuple[torch.Tensor, str]:
+    """``(owners, "balanced" | "zigzag")``: :func:`chunk_owners`, or zigzag's when it is predicted faster
+    (:func:`predicted_seconds`): behind slow links the balanced chunks' extra rows can cost more than zigzag's
+    uneven work.  Ties go to the balanced chunks."""
+    balanced = chunk_owners(doc_ids, world_size, chunks_per_rank)
+    zigzag = zigzag_owners(world_size, chunks_per_rank)
+    if torch.equal(balanced, zigzag):
+        return balanced, "balanced"
+    costs = [predicted_seconds(doc_ids, owners, world_size, seconds_per_entry, seconds_per_row)
+             for owners in (balanced, zigzag)]
+    return (zigzag, "zigzag") if costs[1] < costs[0] else (balanced, "balanced")
+
+
 def _snake(num_chunks: int, world_size: int) -> torch.Tensor:
     chunk = torch.arange(num_chunks)
     rank, sweep = chunk % world_size, chunk // world_size

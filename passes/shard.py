@@ -155,7 +155,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     fake_mode = fake_mode_of(gm)
     # the documents layout: the call's chunk owners, from the replicated ids, before anything is sharded
-    owners = (_document_chunks(graph, plan, context, analyzer, fake_mode, runtime_data),) if layout == DOCUMENTS \
+    owners = (_document_chunks(graph, plan, context, analyzer, fake_mode, runtime_data, config),) \
+        if layout == DOCUMENTS \
         else ()
 
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -430,7 +431,8 @@ def _auto_layout(gm, seq_len: int, config, context):
             and _ring_shape(context.ring_groups) is None:
         return dataclasses.replace(config, layout=DOCUMENTS), {
             "layout_reason": "documents: every ring attention is causal over packed documents, so each call's chunks "
-                             "are assigned to balance its document-causal work (burstc.balance_documents)"}
+                             "are assigned to balance its document-causal work (burstc.balance_documents), or "
+                             "zigzag's where the cost model predicts them faster for the call (fewer rows received)"}
     machine = machine_from_options(device_type, config.link_bandwidth, config.compute_flops)
     choice = choose_layout(calls, seq_len, context.world_size, machine, config.attention_plan,
                            pads_hidden=all(_pads_hidden(mask) for mask in masks))
@@ -450,7 +452,27 @@ def _documents_layout(plan: Plan, config, context, details: dict):
     if _ring_shape(context.ring_groups) is not None and config.ring != "flat":
         details = {**details, "ring_note": "layout 'documents' runs on the flat ring over the whole sequence mesh"}
         config = dataclasses.replace(config, ring="flat")
-    return config, details
+    return config, {**details, "document_prices": _document_prices(plan, context, config)}
+
+
+def _document_prices(plan: Plan, context, config) -> dict[str, float]:
+    """The cost model's price of one score entry and of one K/V row, summed over the graph's ring attentions: what
+    ``burstc::document_chunks`` weighs the balanced chunks' even work against zigzag's fewer rows with."""
+    from burstc.cost_model import FLOPS_PER_ENTRY_PER_DIM, machine_from_options
+    from burstc.planner import element_size
+
+    seconds_per_entry = seconds_per_row = 0.0
+    for node in plan.attention:
+        call = attention_call(node, context.facts.attention.get(node))
+        q, k = val(call.query), val(call.key)
+        machine = machine_from_options(q.device.type, config.link_bandwidth, config.compute_flops)
+        flops = sum(FLOPS_PER_ENTRY_PER_DIM.values()) * q.shape[1] * q.shape[3]   # fwd + bwd, every head
+        seconds_per_entry += flops / machine.attention_flops
+        # a K and a V row of every batch row: forward, then the backward's K/V out and dK/dV back, over the flat
+        # ring's slower link class (as the cost model prices a ring whose nodes it does not know)
+        row_bytes = 3 * 2 * k.shape[0] * k.shape[1] * k.shape[3] * element_size(k.dtype)
+        seconds_per_row += row_bytes / dict(machine.bandwidth)["inter"]
+    return {"seconds_per_entry": seconds_per_entry, "seconds_per_row": seconds_per_row}
 
 
 def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
@@ -473,11 +495,13 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
 
 
-def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict
-                     ) -> fx.Node:
+def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict,
+                     config) -> fx.Node:
     """The ``burstc::document_chunks`` node of the documents layout, on the first ring attention's document ids,
     inserted after the placeholders (the ids come from replicated inputs, so they are ready before anything is
-    sharded); the ids' node lands in ``runtime_data`` for the attentions to reuse."""
+    sharded); the ids' node lands in ``runtime_data`` for the attentions to reuse.  It gets the cost model's prices
+    of a score entry and of a K/V row summed over the graph's ring attentions, to pick zigzag's chunks per call
+    where they are predicted faster."""
     from burstc.balance_documents import finest_chunks_per_rank
 
     node, match = next((n, m) for n, m in ((n, context.facts.attention.get(n)) for n in plan.attention)
@@ -487,7 +511,9 @@ def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, f
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(first_op):
         doc_ids, _ = _runtime_mask_data(graph, mask, batch, analyzer.padded_len, fake_mode, runtime_data)
-        args = (doc_ids, analyzer.P, finest_chunks_per_rank(analyzer.padded_len, analyzer.P))
+        prices = _document_prices(plan, context, config)
+        args = (doc_ids, analyzer.P, finest_chunks_per_rank(analyzer.padded_len, analyzer.P),
+                prices["seconds_per_entry"], prices["seconds_per_row"])
         owners = graph.call_function(torch.ops.burstc.document_chunks.default, args)
         set_meta(owners, torch.ops.burstc.document_chunks.default, args, {}, fake_mode)
     return owners

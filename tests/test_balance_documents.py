@@ -154,3 +154,68 @@ def test_te_padding_and_burstc_target_on_sampled_mixes():
         te = [simulate_documents(mix, world_size, "te_padded") for mix in mixes]
         assert all(f.padding == sum(-(-n // (2 * world_size)) * (2 * world_size) - n for n in mix)
                    for f, mix in zip(te, mixes))
+
+
+# -- the per-call choice between the balanced chunks and zigzag's (the cost model's prices) -------------------------
+
+
+def _packed_ids(batch: int, seq_len: int, seed: int, start_probability: float = 0.03) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq_len, generator=generator) < start_probability
+    starts[:, 0] = True
+    return starts.long().cumsum(1)
+
+
+def test_zigzag_owners_are_the_zigzag_layout():
+    from burstc.balance_documents import zigzag_owners
+    from burstc.layout import ChunkLayout, local_positions
+
+    for world_size, chunks_per_rank in ((2, 2), (3, 4), (4, 8)):
+        seq_len = 4 * chunks_per_rank * world_size
+        layout = ChunkLayout.from_owners(zigzag_owners(world_size, chunks_per_rank), seq_len)
+        for rank in range(world_size):
+            assert torch.equal(local_positions(seq_len, world_size, rank, layout),
+                               local_positions(seq_len, world_size, rank, "zigzag")), (world_size, rank)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rows_needed_is_the_data_zero_redundancy_bound(batch):
+    """What the cost prices per rank is what the ring receives with packed documents: the data's bound."""
+    from burstc.attention_ir import Documents, MaskSpec
+    from burstc.balance_documents import chunk_owners, rows_needed, zigzag_owners
+    from burstc.layout import ChunkLayout
+    from burstc.planner import data_zero_redundancy_bound
+
+    seq_len, world_size, chunks_per_rank = 192, 3, 8
+    mask = MaskSpec.causal() & Documents("doc_ids")
+    for seed in range(3):
+        ids = _packed_ids(batch, seq_len, seed, 0.05)
+        for owners in (chunk_owners(ids, world_size, chunks_per_rank), zigzag_owners(world_size, chunks_per_rank)):
+            bound = data_zero_redundancy_bound(ChunkLayout.from_owners(owners, seq_len), mask, seq_len, world_size,
+                                               batch, 1, 1, 1, torch.float32, doc_ids_BS=ids)
+            row_bytes = 2 * batch * 4  # a K and a V row of every batch row, one head of dim 1, fp32
+            got = rows_needed(ids, owners.repeat_interleave(seq_len // owners.numel()), world_size)
+            assert got.tolist() == [b // row_bytes for b in bound["forward"]], (seed, owners)
+
+
+def test_the_cost_picks_zigzag_behind_slow_links_and_balanced_chunks_otherwise():
+    from burstc.balance_documents import chunk_owners, chunk_owners_by_cost, predicted_seconds, zigzag_owners
+    from burstc.ops import document_layout
+
+    seq_len, world_size, chunks_per_rank = 1024, 4, 8
+    ids = _packed_ids(1, seq_len, seed=5)
+    balanced, zigzag = chunk_owners(ids, world_size, chunks_per_rank), zigzag_owners(world_size, chunks_per_rank)
+    assert not torch.equal(balanced, zigzag)
+    # compute alone: the balanced chunks (their busiest rank has less work); links alone: zigzag (fewer rows here)
+    owners, choice = chunk_owners_by_cost(ids, world_size, chunks_per_rank, 1.0, 1e-12)
+    assert choice == "balanced" and torch.equal(owners, balanced)
+    assert predicted_seconds(ids, zigzag, world_size, 1.0, 0.0) > predicted_seconds(ids, balanced, world_size, 1.0, 0.0)
+    assert predicted_seconds(ids, zigzag, world_size, 0.0, 1.0) < predicted_seconds(ids, balanced, world_size, 0.0, 1.0)
+    owners, choice = chunk_owners_by_cost(ids, world_size, chunks_per_rank, 1e-12, 1.0)
+    assert choice == "zigzag" and torch.equal(owners, zigzag)
+    # the op: without prices the balanced chunks, with them the cheaper; its counter says which it took
+    before = document_layout.choices()
+    assert torch.equal(torch.ops.burstc.document_chunks(ids, world_size, chunks_per_rank), balanced)
+    assert torch.equal(torch.ops.burstc.document_chunks(ids, world_size, chunks_per_rank, 1e-12, 1.0), zigzag)
+    after = document_layout.choices()
+    assert (after["balanced"] - before["balanced"], after["zigzag"] - before["zigzag"]) == (1, 1)

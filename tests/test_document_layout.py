@@ -225,3 +225,5 @@ def test_packed_hf_model_under_inductor_uses_the_documents_layout(workers):
                                 backend="inductor", expect_sharded=True, timeout=600)
     details = results[0]["shard_details"]
     assert details["layout"] == "documents" and details["layout_reason"].startswith("documents"), details
+    # the call's owners op gets the cost model's prices (balanced chunks or zigzag's, per call)
+    assert details["document_prices"]["seconds_per_entry"] > 0 and details["document_prices"]["seconds_per_row"] > 0
