@@ -564,10 +564,11 @@ def test_nan_in_an_input_propagates_as_in_eager(workers):
     (_scaled_output_lm_frozen_body, _inputs_nan_at_ignored_positions),
     (_scaled_output_lm_frozen_body, _inputs_nan_at_ignored_positions_padded),
     pytest.param(_scaled_output_lm, _inputs_nan_at_ignored_positions, marks=pytest.mark.xfail(strict=True, reason=(
-        "known gap (ring attention, not the loss): eager's attention backward multiplies masked-out zeros by "
-        "the NaN rows' dO (dV = P^T dO) within its kernel's blocks, so its token-embedding gradient is NaN at "
-        "every token of that sequence; the ring's blocks differ and skip fully masked ones, leaving some keys "
-        "finite. How far 0 x NaN reaches is the attention kernel's blocking")))],
+        "kernel-defined, not a gap: eager's attention backward multiplies masked-out zeros by the NaN rows' dO "
+        "(dV = P^T dO) within its kernel's blocks, so its token-embedding gradient is NaN at every token of that "
+        "sequence; the ring's blocks differ and skip fully masked ones, leaving some keys finite. How far "
+        "0 x NaN reaches is the kernel's blocking: eager's own math and flash backends disagree too "
+        "(test_a_nan_gradient_row_spreads_as_far_as_a_kernel_may checks the property all of them share)")))],
     ids=["S=32", "S=31-padded", "through-attention"])
 def test_nan_only_at_ignored_positions_propagates_as_in_eager(workers, model_fn, inputs_fn):
     """The LM head's sharded partial gradients are all-reduced: NaN where eager's (from the rank holding the
@@ -578,6 +579,65 @@ def test_nan_only_at_ignored_positions_propagates_as_in_eager(workers, model_fn,
     # what was compared: eager's NaN gradients (the LM head's whole), beside its finite loss
     _, grads = _step(model_fn(), _call_scaled, inputs_fn())
     assert grads["lm.model.output.weight"].isnan().all()
+
+
+def nan_row_task(rank, world_size, seq_len, nan_row):
+    """One causal ring attention whose grad_out is NaN at query ``nan_row``: this rank's positions and its (dk, dv),
+    and the same with that row's grad_out zeroed (the finite reference)."""
+    from burstc import layout as layouts
+    from burstc.attention_ir import MaskSpec
+    from burstc.ops import ring_attention as ra
+
+    generator = torch.Generator().manual_seed(7)
+    q, k, v, grad_out = (torch.randn(1, 2, seq_len, 16, generator=generator) for _ in range(4))
+    found = {}
+    for name, fill in (("nan", float("nan")), ("zeroed", 0.0)):
+        grad = grad_out.clone()
+        grad[:, :, nan_row] = fill
+        shard = lambda t: layouts.shard(t, 2, world_size, rank, "zigzag")  # noqa: E731
+        leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+        ra.ring_attention(*leaves, mask=MaskSpec.causal(), layout="zigzag").backward(shard(grad))
+        found[name] = [t.grad.detach() for t in leaves[1:]]
+    return layouts.local_positions(seq_len, world_size, rank, "zigzag"), found
+
+
+def test_a_nan_gradient_row_spreads_as_far_as_a_kernel_may(workers):
+    """How far ``0 x NaN`` spreads is the kernel's: eager's own CPU backends disagree (math: every key; flash: the
+    keys of the blocks it runs).  Every one of them, and the ring, gives NaN at each key the NaN row sees (the true
+    gradient is NaN there) and, at every other key, NaN or exactly the value without that row."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    seq_len, nan_row = 1024, 5
+    generator = torch.Generator().manual_seed(7)
+    q, k, v, grad_out = (torch.randn(1, 2, seq_len, 16, generator=generator) for _ in range(4))
+
+    def eager(backend, fill):
+        grad = grad_out.clone()
+        grad[:, :, nan_row] = fill
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel(backend):
+            F.scaled_dot_product_attention(*leaves, is_causal=True).backward(grad)
+        return [t.grad for t in leaves[1:]]
+
+    def spread_is_allowed(nan_grads, reference_grads):
+        spread = 0
+        for got, want in zip(nan_grads, reference_grads):
+            nan_keys = got.isnan().any(-1).any(1)[0]                     # [S]: keys whose gradient has a NaN
+            assert nan_keys[:nan_row + 1].all()                           # the keys the NaN row sees
+            finite = ~got.isnan()
+            assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+            spread = max(spread, int(nan_keys.sum()))
+        return spread
+
+    spreads = {backend: spread_is_allowed(eager(backend, float("nan")), eager(backend, 0.0))
+               for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION)}
+    assert spreads[SDPBackend.MATH] == seq_len > spreads[SDPBackend.FLASH_ATTENTION] > nan_row + 1, spreads
+    ring = {name: [torch.empty(1, 2, seq_len, 16) for _ in range(2)] for name in ("nan", "zeroed")}
+    for positions, found in workers.get(2).run(nan_row_task, seq_len, nan_row):
+        for name, grads in found.items():
+            for full, local in zip(ring[name], grads):
+                full[:, :, positions] = local
+    assert nan_row + 1 <= spread_is_allowed(ring["nan"], ring["zeroed"]) <= seq_len
 
 
 def test_second_compile_of_the_same_model(workers):
