@@ -601,6 +601,43 @@ def nan_row_task(rank, world_size, seq_len, nan_row):
     return layouts.local_positions(seq_len, world_size, rank, "zigzag"), found
 
 
+class DividedOutputLM(ScaledInputLM):
+    """The last hidden states divided by a per-token input: the row the layout pads in (its input 0) is non-finite,
+    a row eager never has."""
+
+    def forward(self, tokens, scale, labels):
+        inner = self.lm.model
+        h = inner.tok_embeddings(tokens)
+        for layer in inner.layers.values():
+            h = layer(h, inner.freqs_cis)
+        logits = inner.output(inner.norm(h / scale.unsqueeze(-1)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _divided_output_lm_frozen_body():
+    torch.manual_seed(0)
+    model = DividedOutputLM()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith(("lm.model.norm", "lm.model.output")))
+    return model
+
+
+def _inputs_ones_scale_31():
+    tokens, labels = _tokens(2, 31)
+    return tokens, torch.ones(2, 31), labels
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known limit: a row the layout pads in whose position-wise values are not finite (here h / 0: its per-token "
+    "input is the pad's 0) reaches parameter gradients as 0 x NaN in every position-wise op's weight gradient (the "
+    "final norm's here), though the loss skips it; eager has no such row. Pad the batch to the layout's multiple "
+    "(the report's padded_to) to have no layout pads"))
+def test_a_non_finite_row_the_layout_pads_in(workers):
+    """31 tokens on 2 zigzag ranks: the pad row's hidden states are inf/NaN, eager (no such row) is finite."""
+    assert_equivalent(_divided_output_lm_frozen_body, _inputs_ones_scale_31, _call_scaled, world_size=2,
+                      group=workers.get(2), backend="aot_eager")
+
+
 def test_a_nan_gradient_row_spreads_as_far_as_a_kernel_may(workers):
     """How far ``0 x NaN`` spreads is the kernel's: eager's own CPU backends disagree (math: every key; flash: the
     keys of the blocks it runs).  Every one of them, and the ring, gives NaN at each key the NaN row sees (the true
