@@ -146,8 +146,9 @@ def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_
     return dq, dk, dv
 
 
-# [B, H, slots, keys] fp32 score entries per chunk of hidden-row slots: 16 Mi entries, 64 MiB per buffer
-_SOFT_CAP_CHUNK_ENTRIES = 1 << 24
+# [B, H, slots, keys] fp32 score entries per chunk of hidden-row slots: 4 Mi entries, 16 MiB per buffer (the
+# scores, their tanh, dP and dR: 64 MiB at a time)
+_SOFT_CAP_CHUNK_ENTRIES = 1 << 22
 
 
 def _soft_capped_score_grads(do_BHLD: Tensor, q_BHLD: Tensor, k32_BKLD: Tensor, v32_BKLD: Tensor, vbar_BKD: Tensor,
