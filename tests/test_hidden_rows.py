@@ -80,8 +80,12 @@ def _mesh(world_size: int, ring: str):
     return init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("inter", "intra"))
 
 
-def _run(rank, world_size, dtype, grid):
+def _run(rank, world_size, dtype, grid, soft_cap_chunk_entries=None):
+    from burstc.ops import hidden_rows
     from burstc.ops import ring_attention as ra
+
+    if soft_cap_chunk_entries is not None:  # many chunks of hidden-row slots in the soft-capped backward
+        hidden_rows._SOFT_CAP_CHUNK_ENTRIES = soft_cap_chunk_entries
 
     results = []
     for index, (layout, local_len, name, plan, ring, mode) in enumerate(grid):
@@ -148,7 +152,9 @@ def test_soft_capped_hidden_rows_match_eager(workers, world_size):
     grid = [g[:5] + ("uniform",) for g in _grid(world_size, masks=SOFT_CAPPED)]
     for dtype in (torch.float32, torch.bfloat16):
         part = grid[dtype == torch.bfloat16::2]
-        _check(workers.get(world_size).run(_run, dtype, part), part, dtype)
+        # fp32 with one slot per chunk (the chunk loop), bf16 with the default chunks
+        chunk_entries = 1 if dtype == torch.float32 else 1 << 22
+        _check(workers.get(world_size).run(_run, dtype, part, chunk_entries), part, dtype)
 
 
 def test_uniform_hidden_rows_on_two_level_rings(workers):
