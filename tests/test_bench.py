@@ -180,3 +180,29 @@ def test_emulated_network_prints_the_command(capsys):
     out = capsys.readouterr().out
     assert f"EC={end_to_end.EMULATED_CLUSTER}" in out
     assert "$EC --ranks 4 --rate 50 -- burstc bench --ranks 4 --seq-lens 2048" in out
+
+
+def test_checkpoint_targets_from_the_rows_that_ran():
+    """Issue 18's summary: selective against none (step and activation memory), longest lengths, torch's budget."""
+    def cell(step_s, activation, peak, tokens):
+        return {"step_s": step_s, "activation_mib_per_rank": activation, "peak_mib_per_rank": peak,
+                "tokens_per_s_per_rank": tokens}
+
+    results = {
+        "burstc": {"by_seq_len": {1024: cell(1.0, 100.0, 150.0, 1000.0), 2048: cell(2.0, 200.0, 260.0, 1000.0)},
+                   "longest_under_cap": {"seq_len": 2048}},
+        "burstc_selective": {"by_seq_len": {1024: cell(1.05, 50.0, 100.0, 950.0), 2048: cell(2.1, 110.0, 170.0, 975.0)},
+                             "longest_under_cap": {"seq_len": 8192}},
+        "burstc_torch_budget": {"by_seq_len": {1024: cell(1.5, 60.0, 110.0, 650.0)}},
+        "torch_ring": {"by_seq_len": {1024: cell(1.2, 150.0, 200.0, 800.0)}},
+    }
+    goal = end_to_end.checkpoint_targets(results)
+    assert goal["seq_len"] == 1024  # the longest length every burstc row ran
+    selective = goal["burstc_selective"]
+    assert selective["step_vs_none"] == pytest.approx(1.05) and selective["activation_vs_none"] == pytest.approx(0.5)
+    assert selective["step_met"] and selective["activation_met"]
+    assert selective["longest"] == 8192 and selective["longest_vs_none"] == pytest.approx(4.0)
+    versus = goal["selective_vs_torch_budget"]
+    assert versus["step_ratio"] == pytest.approx(950 / 650) and versus["peak_ratio"] == pytest.approx(100 / 110)
+    assert "torch_ring" not in goal
+    assert end_to_end.checkpoint_targets({"torch_ring": results["torch_ring"]}) == {}

@@ -12,6 +12,9 @@ Rows (the same model, weights, tokens and AdamW; ``ROWS``):
 
 * ``burstc``, ``burstc_selective``: ``burstc.compile(model, mesh)`` with its defaults (Inductor, fused LM head +
   loss, zigzag), and with ``checkpoint="selective"``; every rank is given the whole batch, burstc shards it.
+* ``burstc_layers``, ``burstc_torch_budget`` (not run unless ``--rows`` names them: the checkpointing comparison of
+  issue 18): ``checkpoint="layers"``, and burstc's defaults under torch's own
+  ``torch._functorch.config.activation_memory_budget`` (``--budget``) on the same sharded model.
 * ``torch_ring``: PyTorch's own ring (``_templated_ring_attention`` / ``_backward`` driven by the CPU flash ops,
   head-tail load balance, K/V rotated around the ring) as the model's attention function (HF's attention registry);
   input ids, positions and labels sharded by hand in the head-tail (zigzag) layout; unfused loss (logits, then
@@ -63,13 +66,19 @@ from burstc import layout as layouts
 from burstc.bench.peers import TorchRing, allgather_kv_attention, peer_bytes
 from burstc.testing import WorkerGroup
 
-ROWS = ("burstc", "burstc_selective", "torch_ring", "allgather_kv", "lucidrains_zigzag", "eager", "compile",
-        "compile_budget")
-BURSTC_ROWS = ("burstc", "burstc_selective")
+ROWS = ("burstc", "burstc_selective", "burstc_layers", "burstc_torch_budget", "torch_ring", "allgather_kv",
+        "lucidrains_zigzag", "eager", "compile", "compile_budget")
+BURSTC_ROWS = ("burstc", "burstc_selective", "burstc_layers", "burstc_torch_budget")
+# the checkpointing comparison (issue 18): burstc's modes, and torch's own activation_memory_budget on the same
+# sharded model; not run by default (``--rows`` names them)
+CHECKPOINT_ROWS = ("burstc_layers", "burstc_torch_budget")
+DEFAULT_ROWS = tuple(row for row in ROWS if row not in CHECKPOINT_ROWS)
 SHARDED_PEERS = ("torch_ring", "allgather_kv", "lucidrains_zigzag")
 ONE_PROCESS = ("eager", "compile", "compile_budget")
 LABELS = {
     "burstc": "burstc (defaults)", "burstc_selective": "burstc checkpoint=selective",
+    "burstc_layers": "burstc checkpoint=layers",
+    "burstc_torch_budget": "burstc + torch activation_memory_budget",
     "torch_ring": "torch ring (head-tail)", "allgather_kv": "all-gather K/V (Llama-3)",
     "lucidrains_zigzag": "lucidrains zig-zag", "eager": "eager, 1 process", "compile": "torch.compile, 1 process",
     "compile_budget": "torch.compile + memory budget, 1 process",
@@ -232,9 +241,12 @@ def _make_step(case: Case, rank: int, world_size: int):
         model = build_model(case.shape, case.seq_len, case.seed)
         mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
         options = {} if case.burstc_backend == "inductor" else {"backend": case.burstc_backend}  # inductor: the default
-        if case.row == "burstc_selective":
-            options["checkpoint"] = "selective"
-        compiled = burstc.compile(model, mesh, **options)
+        if case.row in ("burstc_selective", "burstc_layers"):
+            options["checkpoint"] = case.row.removeprefix("burstc_")
+        if case.row == "burstc_torch_budget":  # torch's min-cut partitioner under a budget, burstc's defaults else
+            context = functools.partial(torch._functorch.config.patch, activation_memory_budget=case.budget)
+        with context() if context is not None else contextlib.nullcontext():
+            compiled = burstc.compile(model, mesh, **options)
 
         def loss_fn():
             loss = hf_loss(compiled, ids)
@@ -320,7 +332,8 @@ def step_case(rank: int, world_size: int, row: str) -> dict:
             state["optimizer"].step()
             state["optimizer"].zero_grad(set_to_none=True)
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    return {"time_s": elapsed, "cpu_s": cpu, "peak_bytes": peak.extra_bytes + _state_bytes(state["model"], state["optimizer"]),
+    return {"time_s": elapsed, "cpu_s": cpu, "activation_bytes": peak.extra_bytes,
+            "peak_bytes": peak.extra_bytes + _state_bytes(state["model"], state["optimizer"]),
             "burstc_bytes_sent": sum(c.total_bytes_sent for c in stats.calls), "load_average": os.getloadavg()[0]}
 
 
@@ -371,6 +384,7 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
         "tokens_per_s_per_rank": tokens / step_s,
         "cpu_s": cpu_s, "tokens_per_cpu_s_per_rank": tokens / cpu_s,
         "peak_mib_per_rank": max(r["peak_bytes"] for ranks in steps for r in ranks) / 2**20,
+        "activation_mib_per_rank": max(r["activation_bytes"] for ranks in steps for r in ranks) / 2**20,
         "attention_mib_sent_per_rank": sent / 2**20, "bytes_counted": how,
         "mfu": step_flops(case.shape, case.seq_len) / case.ranks / step_s / peak_flops,
         "loss0": prepared[0]["loss0"], "grad_norm0": prepared[0]["grad_norm0"],
@@ -546,6 +560,42 @@ def targets(results: dict) -> dict:
     return out
 
 
+def checkpoint_targets(results: dict) -> dict:
+    """Issue 18's targets from the burstc rows that ran, at the longest sweep length they all train: selective's
+    step time and activation memory (the step's growth) against ``checkpoint="none"`` (the defaults), each mode's
+    longest length under the cap against none's and its tokens/s there against none's at none's longest, and
+    selective against torch's ``activation_memory_budget`` on the same sharded model."""
+    ran = {name: results[name] for name in BURSTC_ROWS if results.get(name, {}).get("by_seq_len")}
+    if "burstc" not in ran or len(ran) < 2:
+        return {}
+    common = set.intersection(*(set(row["by_seq_len"]) for row in ran.values()))
+    if not common:
+        return {}
+    s = max(common)
+    none = ran["burstc"]["by_seq_len"][s]
+    out = {"seq_len": s}
+    for name, row in ran.items():
+        cell = row["by_seq_len"][s]
+        entry = {"step_vs_none": cell["step_s"] / none["step_s"],
+                 "activation_vs_none": cell.get("activation_mib_per_rank", float("nan"))
+                 / max(none.get("activation_mib_per_rank", float("nan")), 1e-9),
+                 "peak_mib": cell["peak_mib_per_rank"], "tokens_per_s": cell["tokens_per_s_per_rank"]}
+        if "longest_under_cap" in row and "longest_under_cap" in ran["burstc"]:
+            entry["longest"] = row["longest_under_cap"]["seq_len"]
+            entry["longest_vs_none"] = entry["longest"] / max(1, ran["burstc"]["longest_under_cap"]["seq_len"])
+        out[name] = entry
+    if "burstc_selective" in out:
+        selective = out["burstc_selective"]
+        selective["step_met"] = selective["step_vs_none"] <= 1.10
+        selective["activation_met"] = selective["activation_vs_none"] <= 0.60
+    if "burstc_selective" in out and "burstc_torch_budget" in out:
+        selective, budget = out["burstc_selective"], out["burstc_torch_budget"]
+        out["selective_vs_torch_budget"] = {"step_ratio": budget["tokens_per_s"] and
+                                            selective["tokens_per_s"] / budget["tokens_per_s"],
+                                            "peak_ratio": selective["peak_mib"] / budget["peak_mib"]}
+    return out
+
+
 def markdown(report: dict) -> str:
     cfg, machine, results = report["config"], report["machine"], report["results"]
     shape = cfg["shape"]
@@ -611,6 +661,25 @@ def markdown(report: dict) -> str:
                 text += (f"; longest under the cap {t['longest']} vs {best_len} ({LABELS[best]}): "
                          f"{t['longest_ratio']:.2f}x (target >= 2x: {'met' if t['longest_met'] else 'not met'})")
             lines.append(text)
+    goal = report.get("checkpoint_targets") or {}
+    if goal:
+        lines += ["", f"Checkpointing (issue 18) at S = {goal['seq_len']}, against `checkpoint=\"none\"` (the defaults):"]
+        for name in BURSTC_ROWS[1:]:
+            if name not in goal:
+                continue
+            t = goal[name]
+            text = (f"- {LABELS[name]}: step {t['step_vs_none']:.2f}x none's, activation memory "
+                    f"{t['activation_vs_none']:.2f}x, peak {t['peak_mib']:.0f} MiB")
+            if "longest" in t:
+                text += f"; longest under the cap {t['longest']} ({t['longest_vs_none']:.2f}x none's)"
+            if name == "burstc_selective":
+                text += (f" (targets: step <= 1.10x {'met' if t['step_met'] else 'not met'}, activation <= 0.60x "
+                         f"{'met' if t['activation_met'] else 'not met'})")
+            lines.append(text)
+        if "selective_vs_torch_budget" in goal:
+            v = goal["selective_vs_torch_budget"]
+            lines.append(f"- selective against torch's activation_memory_budget on the same sharded model: "
+                         f"{v['step_ratio']:.2f}x its tokens/s at {v['peak_ratio']:.2f}x its peak")
     return "\n".join(lines) + "\n"
 
 
@@ -726,7 +795,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the sharded rows")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS),
+                        help="default: all but the checkpointing comparison's burstc_layers, burstc_torch_budget")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
     parser.add_argument("--dim", type=int, default=ModelShape.dim)
     parser.add_argument("--layers", type=int, default=ModelShape.layers)
@@ -813,6 +883,7 @@ def write_report(report: dict, args) -> int:
     errors_vs_eager(results)
     ratios(results)
     report["targets"] = targets(results)
+    report["checkpoint_targets"] = checkpoint_targets(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "end_to_end.json").write_text(json.dumps(report, indent=2, default=str))
     table = markdown(report)
