@@ -44,7 +44,7 @@ from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
     placeholder_kind, refresh_meta, set_meta, val
-from burstc.refusals import Refused
+from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
 
@@ -198,7 +198,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         with graph.inserting_before(node):
             doc_ids, key_valid = _runtime_mask_data(graph, mask, B, analyzer.padded_len, fake_mode, runtime_data)
             # a model's float fill: its fully hidden rows get eager's uniform average (else calls with such rows
-            # run unsharded: _hidden_row_checks)
+            # run unsharded: _call_checks)
             hidden_rows = match.hidden_rows if match is not None else "zero"
             uniform_keys = analyzer.S if hidden_rows in ("uniform", "uniform_replaced") else 0
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
@@ -373,7 +373,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      code=problem.code)
         return gm
     group_name = _group_name(context)
-    hidden_row_checks = _hidden_row_checks(gm, plan, context)
+    call_checks = _call_checks(gm, plan, context)
     gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
@@ -387,7 +387,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
-                                          hidden_row_checks=hidden_row_checks,
+                                          call_checks=call_checks,
                                           ring=" + ".join(sorted(set(rings))) or "flat")
     return gm
 
@@ -453,17 +453,25 @@ def _documents_layout(plan: Plan, config, context, details: dict):
     return config, details
 
 
-def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
-    """``(mask, {runtime source: placeholder position})`` of every ring attention to be whose model fills hidden
-    scores with a float the ring op can't mirror (``AttentionMatch.hidden_rows`` None: -inf, a soft-cap, fp16),
-    one per distinct mask: a call whose data hide a whole row runs unsharded."""
+def _call_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
+    """``(code, mask, {runtime source: placeholder position})`` for every condition a ring attention to be is
+    exact under, one per code and distinct mask: its model fills hidden scores with a float the ring op can't
+    mirror (``AttentionMatch.hidden_rows`` None: -inf, a soft-cap, fp16): a call whose data hide a whole row;
+    its mask is one ALiBi only for contiguous padding (``KeyPadding.contiguous``): a call with a hole.  Such a
+    call runs unsharded (``guards.exactness_guarded``)."""
+    from burstc.guards import GUARD_CODES
+
     position = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     checks = {}
     for node in plan.attention:
         match = context.facts.attention.get(node)
-        if match is not None and match.hidden_rows is None:
-            checks[match.mask] = {source: position[source] for source in match.mask.runtime_sources}
-    return tuple(checks.items())
+        mask = _mask_of(node, match)
+        codes = [PIPELINE.hidden_rows_fallback] if match is not None and match.hidden_rows is None else []
+        if mask.term(KeyPadding) is not None and mask.term(KeyPadding).contiguous:
+            codes.append(GUARD_CODES.padding_hole_fallback)
+        for code in codes:
+            checks[code, mask] = {source: position[source] for source in mask.runtime_sources}
+    return tuple((code, mask, sources) for (code, mask), sources in checks.items())
 
 
 def _mask_of(node: fx.Node, match) -> MaskSpec:
