@@ -354,6 +354,24 @@ def test_alibi_counting_real_tokens_is_exact_for_contiguous_padding(stretch):
     assert match.hidden_rows == "uniform"  # the pads' rows (all keys padding) average every key, as eager
 
 
+def test_sdpa_float_key_padding_mask_has_no_hidden_row_mode():
+    """SDPA given a finfo.min key-padding mask (Falcon's ALiBi path): a query row whose every key is padding is
+    absorbed by the fill, and SDPA's kernels differ on its gradient (CPU's is S times the softmax's), so no ring
+    mode mirrors it: calls with such rows run the unsharded graph (hidden_rows None), never "uniform"."""
+    def attention(q, k, v, attention_mask):
+        i, j = _positions()
+        visible = (j <= i) & attention_mask.bool()[:, None, None, :]
+        return SDPA(q, k, v, attn_mask=torch.where(visible, 0.0, MIN))
+
+    attention_mask = torch.ones(B, S, dtype=torch.int64)
+    attention_mask[:, :3] = 0
+    context, got, want = _detect(attention, *_qkv(), attention_mask)
+    match = _one_match(context)
+    torch.testing.assert_close(got, want)
+    assert match.refusal is None and match.mask.term(KeyPadding) is not None, match
+    assert match.float_fill and match.hidden_rows is None
+
+
 # -- HF models (graph-level: one match per layer) ----------------------------------------------------------------
 
 
