@@ -77,12 +77,16 @@ class Documents:
 
 @dataclasses.dataclass(frozen=True)
 class KeyPadding:
-    """Key ``j`` of batch row ``b`` is visible only where ``valid[b, j]``; ``source`` names the input."""
+    """Key ``j`` of batch row ``b`` is visible only where ``valid[b, j]``; ``source`` names the input.
+    ``contiguous``: the model's mask is this spec only for calls whose every row's valid keys are one run
+    (BLOOM's ALiBi counts a row's real tokens: with a hole in the padding its bias is not one ALiBi); the
+    backend checks each call and runs one with a hole unsharded (``guards.exactness_guarded``)."""
 
     source: str
+    contiguous: bool = False
 
     def encode(self) -> str:
-        return f"key_padding({self.source})"
+        return f"key_padding({self.source}{',contiguous' if self.contiguous else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +268,10 @@ class MaskSpec:
             elif name == "document_ids":
                 terms.append(Documents(arg, ids=True))
             elif name == "key_padding":
-                terms.append(KeyPadding(arg))
+                source, _, flag = arg.partition(",")
+                if flag not in ("", "contiguous"):
+                    raise ValueError(f"unknown key_padding flag {flag!r} in {text!r}")
+                terms.append(KeyPadding(source, contiguous=flag == "contiguous"))
             elif name == "flex_mask":
                 terms.append(FlexMask(arg))
             elif name == "alibi":
@@ -460,6 +467,14 @@ def fully_hidden_rows(mask: MaskSpec, *, doc_ids_BS: torch.Tensor | None = None,
     prefix = torch.nn.functional.pad(valid_BS.to(torch.long).cumsum(-1), (1, 0))
     count = prefix.gather(-1, hi + 1) - prefix.gather(-1, lo)
     return count == 0
+
+
+def padding_is_contiguous(key_valid_BS: torch.Tensor) -> bool:
+    """Are every row's valid keys one contiguous run (right, left or both-sided padding; no hole)?  A row with
+    no valid key has no hole either."""
+    valid_BS = key_valid_BS.to(torch.bool)
+    run_starts = valid_BS[:, :1].to(torch.long).sum(-1) + (valid_BS[:, 1:] & ~valid_BS[:, :-1]).sum(-1)
+    return bool((run_starts <= 1).all())
 
 
 def _documents_are_runs(doc_ids_BS: torch.Tensor) -> bool:

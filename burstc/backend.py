@@ -13,8 +13,8 @@ import torch.fx as fx
 from burstc._logging import dump_graph
 from burstc.config import BurstConfig
 from burstc.errors import check_mesh_alive
-from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, hidden_rows_guarded, \
-    note_hidden_rows_fallback, note_padded_fallback, reinsert_dropped_outputs, watch_recompile_limit
+from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, exactness_guarded, \
+    note_exactness_fallback, note_padded_fallback, reinsert_dropped_outputs, watch_recompile_limit
 from burstc.lowering import lower
 from burstc.pass_context import GraphFacts, PassContext
 from burstc.passes import run_stage
@@ -124,9 +124,15 @@ class BurstBackend:
                     refusal, reason=f"even with the attention-mask input assumed all ones: {refusal.reason}"))
             guarded = ()
         compiled = self._finish(gm, example_inputs, record, context)
-        checks = context.facts.sharding.hidden_row_checks if context.facts.sharding is not None else ()
+        checks = context.facts.sharding.call_checks if context.facts.sharding is not None else ()
         if checks:
-            compiled = hidden_rows_guarded(compiled, checks, lambda args: self._compile_unsharded(record, args))
+            fallback_ids = []  # the unsharded graph's id: the next graph's until it is compiled
+
+            def note(code):
+                fallback_ids[:] = fallback_ids or [len(self.report.graph_records)]
+                note_exactness_fallback(self.report, record.graph_id, fallback_ids[0], code)
+
+            compiled = exactness_guarded(compiled, checks, lambda args: self._compile_unsharded(record, args), note)
         if not guarded:
             return compiled
         return all_ones_guarded(compiled, guarded,
@@ -161,8 +167,7 @@ class BurstBackend:
 
     def _compile_unsharded(self, record, args):
         """The graph with no shard pass (replicated, the model's attention as written), compiled on the first
-        call a sharded graph can't compute exactly (see ``hidden_rows_guarded``)."""
-        note_hidden_rows_fallback(self.report, record.graph_id)
+        call a sharded graph can't compute exactly (see ``exactness_guarded``)."""
         return self._compile_again(record, args, dataclasses.replace(
             self.config, disable_passes=self.config.disable_passes + ("shard",)))
 

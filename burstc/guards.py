@@ -3,6 +3,9 @@
 - :func:`all_ones_guarded`: a graph specialized on inputs being all ones (``assume_unpadded``'s
   ``facts.all_ones_inputs``) runs only when they are; any other call runs a graph compiled without
   the assumption (once, on the first such call; unsharded), with a warning and a report line.
+- :func:`exactness_guarded`: a sharded graph exact only for calls whose data satisfy a condition (no query row
+  that sees no key under a float fill; no hole in the padding under BLOOM's ALiBi) runs the unsharded graph
+  for the calls that don't (compiled once), with a warning and a report line per condition.
 - :func:`check_same_inputs_on_all_ranks`: ``check_inputs``: the ranks of a sharded graph must all
   have been given the same batch.
 - :func:`reinsert_dropped_outputs`: outputs a pass dropped (``facts.dropped_outputs``: the logits the fused
@@ -27,6 +30,8 @@ from burstc.report import Report, SkipRecord
 
 GUARD_CODES = register_codes("pipeline", {
     "recompile_limit": "torch.compile's recompile limit was hit: calls with new shapes run eagerly (unsharded)",
+    "padding_hole_fallback": "a call's attention_mask has a hole under a mask exact only for contiguous padding "
+                             "(BLOOM's ALiBi counts real tokens); it runs the unsharded graph",
 })
 
 
@@ -52,13 +57,24 @@ def all_ones_guarded(compiled: Callable, positions: tuple[int, ...], compile_fal
     return _guarded(compiled, lambda args: all(bool(args[i].all()) for i in positions), compile_fallback)
 
 
-def hidden_rows_guarded(compiled: Callable, checks: tuple, compile_fallback: Callable) -> Callable:
-    """``compiled`` unless this call's inputs give some query row no visible key under one of ``checks``'
-    masks (``(mask, {runtime source: input position})``, from ``ShardingFact.hidden_row_checks``); then
-    ``compile_fallback(args)``.  Every rank holds the same inputs (``check_inputs``), so every rank takes the
+def exactness_guarded(compiled: Callable, checks: tuple, compile_fallback: Callable, note_fallback: Callable
+                      ) -> Callable:
+    """``compiled`` unless this call's inputs break one of ``checks`` (``(code, mask, {runtime source: input
+    position})``, from ``ShardingFact.call_checks``): :data:`PIPELINE.hidden_rows_fallback`, some query row sees
+    no key; :data:`GUARD_CODES.padding_hole_fallback`, some row's valid keys are not one run.  Such a call runs
+    ``compile_fallback(args)`` (compiled on the first one, then reused), ``note_fallback(code)`` the first time
+    each code sends one there.  Every rank holds the same inputs (``check_inputs``), so every rank takes the
     same branch.  O(B * S) per check and call."""
-    return _guarded(compiled, lambda args: not any(_hides_a_row(mask, sources, args) for mask, sources in checks),
-                    compile_fallback)
+    noted: set[str] = set()
+
+    def failed(args) -> bool:
+        code = next((code for code, mask, sources in checks if _BREAKS[code](mask, sources, args)), None)
+        if code is not None and code not in noted:
+            noted.add(code)
+            note_fallback(code)
+        return code is not None
+
+    return _guarded(compiled, lambda args: not failed(args), compile_fallback)
 
 
 def _hides_a_row(mask, sources: dict, args) -> bool:
@@ -72,15 +88,31 @@ def _hides_a_row(mask, sources: dict, args) -> bool:
     return has_fully_hidden_rows(mask, doc_ids_BS=doc_ids, key_valid_BS=key_valid)
 
 
-def note_hidden_rows_fallback(report: Report, graph_id: int) -> None:
-    """Report (and warn) that calls of graph ``graph_id`` with a fully hidden query row run the unsharded graph
-    compiled next; the reason is recorded on that graph, so that its summary line says why it is replicated."""
-    fallback_id = len(report.graph_records)
-    message = (f"the calls of graph {graph_id} with a query row whose every key is hidden (left padding?) under an "
-               "attention mask the model fills with a float (eager averages such a row over all keys, or gives NaN; "
-               f"the ring op gives 0) run graph {fallback_id}, compiled unsharded (replicated), exact")
-    report.skipped.append(SkipRecord("shard", "graph", "", message, fallback_id, "backend",
-                                     PIPELINE.hidden_rows_fallback))
+def _has_a_padding_hole(mask, sources: dict, args) -> bool:
+    from burstc.attention_ir import KeyPadding, padding_is_contiguous
+
+    return not padding_is_contiguous(args[sources[mask.term(KeyPadding).source]].ne(0))
+
+
+_BREAKS = {PIPELINE.hidden_rows_fallback: _hides_a_row, GUARD_CODES.padding_hole_fallback: _has_a_padding_hole}
+
+_FALLBACK_WHY = {
+    PIPELINE.hidden_rows_fallback:
+        "a query row whose every key is hidden (left padding?) under an attention mask the model fills with a float "
+        "(eager averages such a row over all keys, or gives NaN; the ring op gives 0)",
+    GUARD_CODES.padding_hole_fallback:
+        "an attention_mask row whose real tokens are not one contiguous run (a hole in the padding) under a bias the "
+        "model computes from the count of real tokens (BLOOM's ALiBi: the ring op's ALiBi equals it only when each "
+        "row's real tokens are contiguous)",
+}
+
+
+def note_exactness_fallback(report: Report, graph_id: int, fallback_id: int, code: str) -> None:
+    """Report (and warn) that calls of graph ``graph_id`` that break check ``code`` run the unsharded graph
+    ``fallback_id``; the reason is recorded on that graph, so that its summary line says why it is replicated."""
+    message = (f"the calls of graph {graph_id} with {_FALLBACK_WHY[code]} run graph {fallback_id}, compiled "
+               "unsharded (replicated), exact")
+    report.skipped.append(SkipRecord("shard", "graph", "", message, fallback_id, "backend", code))
     log_event("rewrites", "graph %d: %s", graph_id, message)
     warnings.warn(f"burstc: {message}", stacklevel=3)
 

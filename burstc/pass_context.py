@@ -27,10 +27,11 @@ class ShardingFact:
     plans: tuple[str, ...]          # the backward plan of each ring attention, in graph order
     seq_len: int
     padded_len: int
-    # per ring attention whose model fills hidden scores with a float (AttentionMatch.float_fill): its mask and
-    # the placeholder positions of its runtime data; a call where one of its query rows sees no key runs the
-    # unsharded graph (guards.hidden_rows_guarded)
-    hidden_row_checks: tuple = ()
+    # ``(code, mask, {runtime source: placeholder position})`` per condition a ring attention is exact under, one
+    # per distinct mask: its model fills hidden scores with a float the ring op can't mirror (a call where one of
+    # its query rows sees no key), or its mask is exact only for contiguous padding; a call that breaks one runs
+    # the unsharded graph (guards.exactness_guarded)
+    call_checks: tuple = ()
     ring: str = "flat"              # "flat", or "double NxG" (nodes x ranks per node)
 
 

@@ -539,8 +539,10 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             mask = sdpa_kwargs(node)["attn_mask"]
             if spec is not None and spec.term(KeyPadding) is not None and isinstance(mask, fx.Node) \
                     and val(mask) is not None and val(mask).is_floating_point():
-                # an additive finfo.min / -inf mask
-                match = dataclasses.replace(match, float_fill=True, hidden_fill=hidden_fill(gm, mask, node, spec))
+                # an additive finfo.min / -inf mask: no hidden_fill, so no ring mode (calls whose data hide a whole
+                # query row run unsharded), as SDPA's kernels differ on such a row's gradient (CPU's recomputes the
+                # probabilities from an LSE the fill absorbs too: S times the softmax's that "uniform" mirrors)
+                match = dataclasses.replace(match, float_fill=True)
             context.facts.attention[node] = match
             if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
                 folded += origin == _FOLDED

@@ -11,9 +11,11 @@ The ``mask_mod`` is evaluated on broadcast index tensors (``q_idx`` ``[1, 1, S, 
 is too large, as for other masks) and must be exactly one :class:`MaskSpec`:
 
 - buffers that are constants (module buffers, constants): a static spec (causal, windows, bands);
-- one buffer that is a graph input of integers ``[S]`` or ``[B, S]`` and compared as document ids
-  (torchtitan's ``block_causal``: ``doc[b, q] == doc[b, kv]``): ``static & Documents(input, ids=True)`` when
-  probes with sorted, unsorted and one-token documents all agree; the ring op gets the ids every call.
+- one buffer of integers ``[S]`` or ``[B, S]`` compared as document ids (torchtitan's ``block_causal``:
+  ``doc[b, q] == doc[b, kv]``), a graph input or a value the model computes from its token inputs alone
+  (torchtitan's ids from the EOS tokens; never from parameters or float inputs, and the shard pass checks it
+  stays replicated): ``static & Documents(its name, ids=True)`` when probes with sorted, unsorted and
+  one-token documents all agree; the ring op gets the ids every call.
 
 The ``score_mod`` is recognized the same way, on random scores: the identity (none given), a soft-cap
 ``c * tanh(s / c)`` (:class:`SoftCap`) or an ALiBi bias ``s + slope_h * (kv - q)`` (:class:`Alibi`).  Any
@@ -30,8 +32,8 @@ import torch.fx as fx
 
 from burstc.attention_ir import AttentionMatch, Documents, MaskSpec, SoftCap
 from burstc.passes import graph_utils
-from burstc.passes.graph_utils import NotConstant, TooLarge, evaluate_constant, input_dependency, \
-    numeric_constants, placeholder_kind, val
+from burstc.passes.graph_utils import NotConstant, TooLarge, evaluate_constant, evaluation_order, in_place_writes, \
+    input_dependency, numeric_constants, placeholder_kind, val
 from burstc.passes.mask_classification import alibi_of, probe_lengths, spec_of_visibility
 from burstc.refusals import Refusal, register_codes
 
@@ -42,7 +44,7 @@ CODES = register_codes("attention", {
                       "ring op executes those, not arbitrary score functions)",
     "flex_outputs": "FlexAttention's logsumexp / max scores are used (the ring op returns the output only)",
     "flex_mask": "the FlexAttention mask_mod is not exactly one supported mask (causal, windows, bands, "
-                 "document ids from one integer input)",
+                 "document ids: one integer input, or one value computed from the token inputs)",
 })
 
 _PROBE_SEED = 20261205
@@ -205,15 +207,15 @@ def classify_flex_mask(gm: fx.GraphModule, call: FlexCall) -> tuple[MaskSpec | N
             constants.append(buffer)
         else:
             runtime.append(buffer)
-    if len(runtime) > 1 or any(b.op != "placeholder" or placeholder_kind(b) != "input" for b in runtime):
-        return None, Refusal(CODES.flex_mask, "the mask_mod reads values computed from the inputs (only one "
-                                              "integer input of document ids is recognized)")
+    if len(runtime) > 1:
+        return None, Refusal(CODES.flex_mask, "the mask_mod reads several values computed from the inputs "
+                                              f"({', '.join(f'`{b.name}`' for b in runtime)}): only one tensor of "
+                                              "document ids is recognized")
     docs = runtime[0] if runtime else None
     if docs is not None:
-        v = val(docs)
-        if v.is_floating_point() or v.is_complex() or tuple(v.shape) not in ((seq,), (batch, seq)):
-            return None, Refusal(CODES.flex_mask, f"the mask_mod reads input `{docs.name}` "
-                                                  f"{tuple(v.shape)} {v.dtype}, not integer document ids [S] / [B, S]")
+        refusal = _document_ids_refusal(gm, call, docs, batch, seq)
+        if refusal is not None:
+            return None, refusal
     try:
         values = [evaluate_constant(gm, b) if isinstance(b, fx.Node) else b for b in constants]
     except NotConstant as why:
@@ -236,6 +238,36 @@ def classify_flex_mask(gm: fx.GraphModule, call: FlexCall) -> tuple[MaskSpec | N
                                                   "those with document ids from one input")
         specs.append(spec)
     return specs[0], None
+
+
+def _document_ids_refusal(gm: fx.GraphModule, call: FlexCall, docs: fx.Node, batch: int, seq: int
+                          ) -> Refusal | None:
+    """Why the mask_mod buffer ``docs`` can't be the :class:`Documents` ids, or None: integer ``[S]`` / ``[B, S]``,
+    an input of the model or a value it computes from its token inputs alone (torchtitan's ids from the EOS
+    tokens: replicated on every rank, as the shard pass keeps token-index values; its attention rule checks the
+    placement too), written in place only before this call (the ring op reads the ids once)."""
+    v = val(docs)
+    what = "input" if docs.op == "placeholder" else "value"
+    if not isinstance(v, torch.Tensor) or v.is_floating_point() or v.is_complex() \
+            or tuple(v.shape) not in ((seq,), (batch, seq)):
+        shape, dtype = tuple(getattr(v, "shape", ())), getattr(v, "dtype", type(v).__name__)
+        return Refusal(CODES.flex_mask, f"the mask_mod reads {what} `{docs.name}` {shape} {dtype}, not integer "
+                                        "document ids [S] / [B, S]")
+    if docs.op == "placeholder":
+        return None if placeholder_kind(docs) == "input" else \
+            Refusal(CODES.flex_mask, f"the mask_mod reads {placeholder_kind(docs)} `{docs.name}` as document ids")
+    for source in evaluation_order(gm, docs, call.node):
+        if source.op == "placeholder" and placeholder_kind(source) != "buffer" and (
+                placeholder_kind(source) == "parameter"
+                or isinstance(val(source), torch.Tensor) and val(source).is_floating_point()):
+            return Refusal(CODES.flex_mask, f"the mask_mod reads `{docs.name}`, computed from "
+                                            f"{placeholder_kind(source)} `{source.name}`: a value of the activations "
+                                            "(sharded over the sequence), not of the token inputs alone")
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    if any(docs in aliases and position[op] > position[call.node] for op, aliases in in_place_writes(gm.graph)):
+        return Refusal(CODES.flex_mask, f"the mask_mod's document ids `{docs.name}` are written in place after "
+                                        "the attention reads them")
+    return None
 
 
 def _spec_at(call, docs, values, batch, heads, seq) -> MaskSpec | None:

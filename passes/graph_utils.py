@@ -93,6 +93,11 @@ def placeholder_kind(node: fx.Node) -> str:
     return "input"
 
 
+def node_named(graph: fx.Graph, name: str) -> fx.Node:
+    """The node called ``name`` (a mask term's runtime source: a placeholder, or a value computed from them)."""
+    return next(n for n in graph.nodes if n.name == name)
+
+
 def placeholder_example(node: fx.Node):
     grapharg = node.meta.get("grapharg")
     return getattr(grapharg, "example", None) if grapharg is not None else None

@@ -26,7 +26,7 @@ import math
 import torch
 
 from burstc.attention_ir import Alibi, Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, \
-    document_ids
+    document_ids, padding_is_contiguous
 from burstc.passes import graph_utils
 from burstc.passes.graph_utils import (LengthScaling, NotConstant, TooLarge, ancestors, evaluate_constant,
                                        evaluation_order, in_place_writes, input_dependency, numeric_constants,
@@ -289,12 +289,15 @@ def _probe_positions(batch: int, seq: int, gen: torch.Generator) -> list[torch.T
 def _probe_padding(batch: int, seq: int, gen: torch.Generator) -> list[torch.Tensor]:
     ones = torch.ones(batch, seq, dtype=torch.int64)
     right, left, holes = ones.clone(), ones.clone(), (torch.rand(batch, seq, generator=gen) < 0.7).to(torch.int64)
+    both = ones.clone()  # one run of real tokens, padding on both sides
     for b in range(batch):
         n = int(torch.randint(1, seq, (), generator=gen))
         right[b, seq - n:] = 0
         left[b, :n] = 0
+        both[b, :n // 2 + 1] = 0
+        both[b, seq - n // 3 - 1:] = 0
     holes[:, 0] = 1
-    return [ones, right, left, holes]
+    return [ones, right, left, both, holes]
 
 
 def classify_runtime_mask(gm, mask_node, style: str, consumer, *, memo: dict | None = None) -> MaskSpec | None:
@@ -395,6 +398,20 @@ def _visibility_and_bias(value, style: str) -> tuple[torch.Tensor | None, torch.
     return (_bool_visibility(value, style) if isinstance(value, torch.Tensor) else None), None
 
 
+def _shifted_per_row(bias: torch.Tensor, neutral_bias: torch.Tensor, visible: torch.Tensor) -> bool:
+    """``bias == neutral_bias + c`` on the ``visible`` entries of each row (the last dim: the keys), ``c`` a
+    constant per row (per batch, head and query): an attention mask's bias is added to the scores before the
+    softmax over that row, which ignores ``c``.  BLOOM's ALiBi counts real tokens: under left padding its bias is
+    the unpadded one shifted by the row's first real position.  To fp32 rounding, as :func:`alibi_of`."""
+    diff = bias.to(torch.float64) - neutral_bias.to(torch.float64)
+    diff, visible = torch.broadcast_tensors(diff, visible)
+    highest = torch.where(visible, diff, -math.inf).amax(-1)
+    lowest = torch.where(visible, diff, math.inf).amin(-1)
+    rows = visible.any(-1)
+    scale = 1.0 + max(float(bias.abs().max()), float(neutral_bias.abs().max()))
+    return bool(((highest - lowest)[rows] <= 1e-5 * scale).all())
+
+
 def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) -> MaskSpec | None:
     documents = next(((n, r) for n, r in role_of.items() if r in _DOCUMENT_ROLES), None)
     padding = next((n for n, r in role_of.items() if r == "padding"), None)
@@ -427,17 +444,23 @@ def _verified(gm, mask_node, style, consumer, role_of, batch, seq, gen, length) 
         spec = spec & alibi
     if documents is not None:
         spec = spec & Documents(documents[0].name, ids=documents[1] == "ids")
-    if padding is not None:
-        spec = spec & KeyPadding(padding.name)
     arange = torch.arange(seq)
+    contiguous = False  # exact only for calls whose padding has no hole (BLOOM: its ALiBi counts real tokens)
+    checked = []
     for doc, pad in itertools.product(doc_probes, pad_probes):
         got, got_bias = evaluate(doc, pad)
         if got is None or got.dim() < 3 or got.shape[-2:] != (seq, seq):
             return None
         if got_bias is not None and bool((got_bias != 0).any()) != biased:
             return None  # a bias on some probes only
-        if biased and not torch.equal(got_bias, torch.where(got, neutral_bias, torch.zeros((), dtype=got_bias.dtype))):
-            return None  # the bias moves with the data: not one ALiBi
+        if biased and not _shifted_per_row(got_bias, neutral_bias, got):
+            if pad is None or padding_is_contiguous(pad.ne(0)):
+                return None  # the bias moves with the data: not one ALiBi
+            contiguous = True
+        checked.append((doc, pad, got))
+    if padding is not None:
+        spec = spec & KeyPadding(padding.name, contiguous=contiguous)
+    for doc, pad, got in checked:
         docs = None if doc is None else document_ids(doc, batch, ids=documents[1] == "ids")
         valid = pad.ne(0) if pad is not None else None
         want = spec.visible(arange, arange, q_docs=docs, kv_docs=docs,

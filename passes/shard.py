@@ -42,9 +42,9 @@ from burstc.ops.linear_cross_entropy import PADDING_TARGET
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
-from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, is_function, normalized_kwargs, \
-    placeholder_kind, refresh_meta, set_meta, val
-from burstc.refusals import Refused
+from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_place_writes, is_function, node_named, \
+    normalized_kwargs, placeholder_kind, refresh_meta, set_meta, val
+from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
 
@@ -199,7 +199,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
         with graph.inserting_before(node):
             doc_ids, key_valid = _runtime_mask_data(graph, mask, B, analyzer.padded_len, fake_mode, runtime_data)
             # a model's float fill: its fully hidden rows get eager's uniform average (else calls with such rows
-            # run unsharded: _hidden_row_checks)
+            # run unsharded: _call_checks)
             hidden_rows = match.hidden_rows if match is not None else "zero"
             uniform_keys = analyzer.S if hidden_rows in ("uniform", "uniform_replaced") else 0
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
@@ -367,14 +367,14 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      module="", code=CODES.no_sequence_work)
         return gm
     if config.layout == DOCUMENTS:
-        config, layout_details = _documents_layout(plan, config, context, layout_details)
+        config, layout_details = _documents_layout(gm, plan, config, context, layout_details)
     if analyzer.output_problem is not None:
         problem = analyzer.output_problem
         context.skip(KIND, problem.node, f"{problem}; the whole graph runs unsharded (replicated on every rank)",
                      code=problem.code)
         return gm
     group_name = _group_name(context)
-    hidden_row_checks = _hidden_row_checks(gm, plan, context)
+    call_checks = _call_checks(gm, plan, context)
     gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name)
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
@@ -388,7 +388,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
-                                          hidden_row_checks=hidden_row_checks,
+                                          call_checks=call_checks,
                                           ring=" + ".join(sorted(set(rings))) or "flat")
     return gm
 
@@ -443,12 +443,15 @@ def _auto_layout(gm, seq_len: int, config, context):
     return dataclasses.replace(config, layout=choice.layout), details
 
 
-def _documents_layout(plan: Plan, config, context, details: dict):
+def _documents_layout(gm: fx.GraphModule, plan: Plan, config, context, details: dict):
     """``layout="documents"`` needs document ids (zigzag, its one-document case, stands in without them) and runs
     on the flat ring (the double ring and the hybrid plan for static layouts)."""
     if not any(_mask_of(n, context.facts.attention.get(n)).term(Documents) is not None for n in plan.attention):
         return dataclasses.replace(config, layout="zigzag"), {
             **details, "layout_reason": "zigzag: no attention of the graph has document ids to balance"}
+    too_late = _documents_too_late(gm.graph, plan, context)
+    if too_late is not None:
+        return dataclasses.replace(config, layout="zigzag"), {**details, "layout_reason": f"zigzag: {too_late}"}
     if _ring_shape(context.ring_groups) is not None and config.ring != "flat":
         details = {**details, "ring_note": "layout 'documents' runs on the flat ring over the whole sequence mesh"}
         config = dataclasses.replace(config, ring="flat")
@@ -475,17 +478,25 @@ def _document_prices(plan: Plan, context, config) -> dict[str, float]:
     return {"seconds_per_entry": seconds_per_entry, "seconds_per_row": seconds_per_row}
 
 
-def _hidden_row_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
-    """``(mask, {runtime source: placeholder position})`` of every ring attention to be whose model fills hidden
-    scores with a float the ring op can't mirror (``AttentionMatch.hidden_rows`` None: -inf, a soft-cap, fp16),
-    one per distinct mask: a call whose data hide a whole row runs unsharded."""
+def _call_checks(gm: fx.GraphModule, plan: Plan, context) -> tuple:
+    """``(code, mask, {runtime source: placeholder position})`` for every condition a ring attention to be is
+    exact under, one per code and distinct mask: its model fills hidden scores with a float the ring op can't
+    mirror (``AttentionMatch.hidden_rows`` None: -inf, a soft-cap, fp16): a call whose data hide a whole row;
+    its mask is one ALiBi only for contiguous padding (``KeyPadding.contiguous``): a call with a hole.  Such a
+    call runs unsharded (``guards.exactness_guarded``)."""
+    from burstc.guards import GUARD_CODES
+
     position = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     checks = {}
     for node in plan.attention:
         match = context.facts.attention.get(node)
-        if match is not None and match.hidden_rows is None:
-            checks[match.mask] = {source: position[source] for source in match.mask.runtime_sources}
-    return tuple(checks.items())
+        mask = _mask_of(node, match)
+        codes = [PIPELINE.hidden_rows_fallback] if match is not None and match.hidden_rows is None else []
+        if mask.term(KeyPadding) is not None and mask.term(KeyPadding).contiguous:
+            codes.append(GUARD_CODES.padding_hole_fallback)
+        for code in codes:
+            checks[code, mask] = {source: position[source] for source in mask.runtime_sources}
+    return tuple((code, mask, sources) for (code, mask), sources in checks.items())
 
 
 def _mask_of(node: fx.Node, match) -> MaskSpec:
@@ -495,21 +506,46 @@ def _mask_of(node: fx.Node, match) -> MaskSpec:
     return MaskSpec.causal() if sdpa_kwargs(node)["is_causal"] else MaskSpec.full()  # detect_attention disabled
 
 
-def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict,
-                     config) -> fx.Node:
-    """The ``burstc::document_chunks`` node of the documents layout, on the first ring attention's document ids,
-    inserted after the placeholders (the ids come from replicated inputs, so they are ready before anything is
-    sharded); the ids' node lands in ``runtime_data`` for the attentions to reuse.  It gets the cost model's prices
-    of a score entry and of a K/V row summed over the graph's ring attentions, to pick zigzag's chunks per call
-    where they are predicted faster."""
-    from burstc.balance_documents import finest_chunks_per_rank
-
+def _documents_source(graph: fx.Graph, plan: Plan, context) -> tuple[fx.Node, MaskSpec, int, fx.Node]:
+    """``(first ring attention with document ids, its mask, its batch size, the node after which the call's
+    chunk owners can be computed)``: after the placeholders for ids an input, else after the value the model
+    computes them as and its last in-place write before that attention (torchtitan's ``seq_idx[:, 1:] = ...``)."""
     node, match = next((n, m) for n, m in ((n, context.facts.attention.get(n)) for n in plan.attention)
                        if _mask_of(n, m).term(Documents) is not None)
     mask = _mask_of(node, match)
+    source = node_named(graph, mask.term(Documents).source)
     batch = val(attention_call(node, match).query).shape[0]
-    first_op = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first_op):
+    if source.op == "placeholder":
+        return node, mask, batch, [n for n in graph.nodes if n.op == "placeholder"][-1]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [op for op, aliases in in_place_writes(graph) if source in aliases and position[op] < position[node]]
+    return node, mask, batch, max([source, *writes], key=position.get)
+
+
+def _documents_too_late(graph: fx.Graph, plan: Plan, context) -> str | None:
+    """Why the documents layout can't take this graph's document ids, or None: the chunk owners every sharded
+    op needs are computed from them, so they must be known before the first op that reads a sharded value."""
+    _, mask, _, anchor = _documents_source(graph, plan, context)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    early = [n for n in plan.shard_inputs if position[n] <= position[anchor]]
+    if early:
+        return (f"the document ids `{mask.term(Documents).source}` are computed after `{early[0].name}`, which "
+                "already reads sharded tokens")
+    return None
+
+
+def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict,
+                     config) -> fx.Node:
+    """The ``burstc::document_chunks`` node of the documents layout, on the first ring attention's document ids,
+    inserted where they are known (after the placeholders, or after the value the model computes them as; from
+    replicated inputs, before anything is sharded: ``_documents_too_late``); the ids' node lands in
+    ``runtime_data`` for the attentions to reuse.  It gets the cost model's prices of a score entry and of a K/V
+    row summed over the graph's ring attentions, to pick zigzag's chunks per call where they are predicted
+    faster."""
+    from burstc.balance_documents import finest_chunks_per_rank
+
+    _, mask, batch, anchor = _documents_source(graph, plan, context)
+    with graph.inserting_before(anchor.next):
         doc_ids, _ = _runtime_mask_data(graph, mask, batch, analyzer.padded_len, fake_mode, runtime_data)
         prices = _document_prices(plan, context, config)
         args = (doc_ids, analyzer.P, finest_chunks_per_rank(analyzer.padded_len, analyzer.P),
@@ -539,14 +575,14 @@ def padded_key_valid(key_valid_BS: torch.Tensor, length: int) -> torch.Tensor:
 
 def _runtime_mask_data(graph: fx.Graph, mask: MaskSpec, batch: int, padded_len: int, fake_mode, cache: dict):
     """``(doc_ids, key_valid)`` graph values for the mask's runtime terms (None where it has none), computed
-    from the replicated token inputs they name: every rank holds the whole batch's, so no communication.
+    from the replicated token inputs they name (or the replicated value computed from them: a mask_mod's
+    document ids): every rank holds the whole batch's, so no communication.
     When the layout pads the sequence, they are extended over the pads (which no real token then sees)."""
     pad_with = {"doc_ids": padded_document_ids, "key_valid": padded_key_valid}
 
     def value(kind, source, fn, extra):
         if (kind, source) not in cache:
-            placeholder = next(n for n in graph.nodes if n.op == "placeholder" and n.name == source)
-            args = (placeholder, *extra)
+            args = (node_named(graph, source), *extra)
             node = graph.call_function(fn, args)
             set_meta(node, fn, args, {}, fake_mode)
             if val(node).shape[-1] != padded_len:

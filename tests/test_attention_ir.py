@@ -39,7 +39,7 @@ _specs = st.builds(
     st.booleans(),
     st.none() | st.builds(SlidingWindow, st.none() | st.integers(0, 5000), st.none() | st.integers(0, 5000)),
     st.none() | st.sampled_from([Documents("position_ids"), Documents("doc_ids")]),
-    st.none() | st.just(KeyPadding("attention_mask")),
+    st.none() | st.sampled_from([KeyPadding("attention_mask"), KeyPadding("attention_mask", contiguous=True)]),
     st.none() | st.just(FlexMask("mask_graph_0")),
     st.none() | st.builds(lambda xs: Alibi(tuple(xs)), st.lists(st.floats(0.001, 1.0), min_size=1, max_size=4)),
     st.none() | st.builds(SoftCap, st.floats(0.5, 100.0)),
@@ -52,6 +52,19 @@ _specs = st.builds(
 def test_encode_decode_round_trip(spec):
     assert MaskSpec.decode(spec.encode()) == spec
     assert (spec & MaskSpec.full()) == spec
+
+
+def test_padding_is_contiguous():
+    from burstc.attention_ir import padding_is_contiguous
+
+    rows = {"right": [1, 1, 1, 0, 0], "left": [0, 0, 1, 1, 1], "both": [0, 1, 1, 0, 0], "none": [1] * 5,
+            "all_pads": [0] * 5, "hole": [1, 1, 0, 1, 0], "left_hole": [0, 1, 0, 1, 1]}
+    for name, row in rows.items():
+        with_ones = torch.tensor([row, [1] * 5])
+        assert padding_is_contiguous(with_ones) == ("hole" not in name), name
+    assert KeyPadding("m", contiguous=True).encode() == "key_padding(m,contiguous)"
+    with pytest.raises(ValueError):
+        MaskSpec.decode("key_padding(m,holes)")
 
 
 def test_runtime_sources():

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from burstc.attention_ir import Alibi, Causal, MaskSpec, SlidingWindow, SoftCap
+from burstc.attention_ir import Alibi, Causal, KeyPadding, MaskSpec, SlidingWindow, SoftCap
 
 B, H, S, D = 1, 2, 12, 8
 SDPA = F.scaled_dot_product_attention
@@ -320,6 +320,56 @@ def test_bias_not_linear_in_distance_is_refused():
     assert _one_match(context).refusal.code == "attention.mask_bias"
     assert _codes(context) == ["attention.mask_bias"] and context.report.rewrites == []
     torch.testing.assert_close(got, want)
+
+
+def counted_alibi_attention(q, k, v, attention_mask, stretch=False):
+    """BLOOM's ALiBi under a padded batch: the bias counts each row's real tokens, ``slope_h * pos_b(j)`` with
+    ``pos = (attention_mask.cumsum(-1) - 1) * attention_mask``; ``stretch`` scales it by the row's real length
+    (a bias that moves with the padding by more than a per-row constant)."""
+    i, j = _positions()
+    pos = ((attention_mask.cumsum(-1) - 1) * attention_mask).float()
+    if stretch:
+        pos = pos * attention_mask.sum(-1, keepdim=True) / S
+    bias = torch.tensor(SLOPES)[None, :, None, None] * pos[:, None, None, :]
+    visible = (j <= i) & attention_mask.bool()[:, None, None, :]
+    return eager_attention(q, k, v, bias + torch.where(visible, 0.0, MIN))
+
+
+@pytest.mark.parametrize("stretch", [False, True], ids=["counted", "stretched"])
+def test_alibi_counting_real_tokens_is_exact_for_contiguous_padding(stretch):
+    """Left or right padding shifts each row's counted ALiBi by a constant per query row (the softmax ignores
+    it): one ALiBi and key padding, flagged exact only for contiguous padding (a hole is not; the backend checks
+    each call).  A bias that moves by more than a constant on contiguous padding is refused."""
+    attention_mask = torch.ones(B, S, dtype=torch.int64)
+    attention_mask[:, :3] = 0
+    context, got, want = _detect(functools.partial(counted_alibi_attention, stretch=stretch), *_qkv(), attention_mask)
+    match = _one_match(context)
+    torch.testing.assert_close(got, want)
+    if stretch:
+        assert match.refusal is not None and match.refusal.code == "attention.mask_runtime", match
+        return
+    assert match.refusal is None, match.refusal
+    assert match.mask.term(KeyPadding).contiguous and match.mask.term(Causal) == Causal()
+    assert match.mask.term(Alibi).slopes == pytest.approx(SLOPES)
+    assert match.hidden_rows == "uniform"  # the pads' rows (all keys padding) average every key, as eager
+
+
+def test_sdpa_float_key_padding_mask_has_no_hidden_row_mode():
+    """SDPA given a finfo.min key-padding mask (Falcon's ALiBi path): a query row whose every key is padding is
+    absorbed by the fill, and SDPA's kernels differ on its gradient (CPU's is S times the softmax's), so no ring
+    mode mirrors it: calls with such rows run the unsharded graph (hidden_rows None), never "uniform"."""
+    def attention(q, k, v, attention_mask):
+        i, j = _positions()
+        visible = (j <= i) & attention_mask.bool()[:, None, None, :]
+        return SDPA(q, k, v, attn_mask=torch.where(visible, 0.0, MIN))
+
+    attention_mask = torch.ones(B, S, dtype=torch.int64)
+    attention_mask[:, :3] = 0
+    context, got, want = _detect(attention, *_qkv(), attention_mask)
+    match = _one_match(context)
+    torch.testing.assert_close(got, want)
+    assert match.refusal is None and match.mask.term(KeyPadding) is not None, match
+    assert match.float_fill and match.hidden_rows is None
 
 
 # -- HF models (graph-level: one match per layer) ----------------------------------------------------------------

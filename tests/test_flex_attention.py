@@ -127,6 +127,38 @@ def test_long_mask_mod_is_classified_at_two_probe_lengths(monkeypatch):
     assert match.refusal.code == "attention.flex_mask"
 
 
+def _detect_computed_ids(compute_ids, tokens, write_after=False):
+    """detect_attention on a flex_attention whose mask_mod closes over document ids computed from ``tokens``."""
+    def attention(q, k, v, tokens):
+        docs = compute_ids(tokens)
+        block_mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (docs[b, qi] == docs[b, ki]), B, None, S, S,
+                                       device="cpu")
+        out = flex_attention(q, k, v, block_mask=block_mask)
+        if write_after:
+            docs.add_(1)
+        return out
+
+    _, context, got = detect_attention_in(attention, *_qkv(), tokens)
+    (match,) = context.facts.attention.values()
+    return match, got, attention(*_qkv(), tokens)
+
+
+@pytest.mark.parametrize("case", ["float_input", "written_after"])
+def test_document_ids_computed_from_the_inputs_are_refused(case):
+    """A mask_mod buffer computed from a float input (an activation), or written in place after the attention
+    reads it, is never the Documents source (ids computed from the token inputs alone are: trained below)."""
+    tokens = (torch.rand(B, S, generator=torch.Generator().manual_seed(2)) < 0.2).to(torch.int64)
+    if case == "float_input":
+        match, got, want = _detect_computed_ids(lambda t: (t > 0.5).cumsum(-1), tokens.float())
+    else:
+        match, got, want = _detect_computed_ids(lambda t: (t == 1).cumsum(-1), tokens, write_after=True)
+    torch.testing.assert_close(got, want)
+    assert match.refusal.code == "attention.flex_mask" and not match.shardable
+    why = {"float_input": "computed from input `l_tokens_`: a value of the activations",
+           "written_after": "document ids `docs` are written in place after the attention reads them"}[case]
+    assert why in match.refusal.reason, match.refusal.reason
+
+
 # -- trained sharded on gloo ranks vs the single-device eager model ---------------------------------------------
 
 TRAINED = {
@@ -157,3 +189,45 @@ def test_flex_documents_on_four_ranks_striped(workers):
                                 group=workers.get(4), backend="aot_eager", expect_sharded=True, timeout=600,
                                 layout="striped", attention_plan="kv_ring")
     assert [k for k, _ in results[0]["rewrites"]].count("attention") == flex_zoo.LAYERS
+
+
+# -- document ids the model computes itself (torchtitan: from the EOS tokens) -----------------------------------
+
+EOS_MASK = "causal&document_ids(seq_idx) (FlexAttention mask_mod)"
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_document_ids_computed_in_forward_are_sharded(workers, world_size):
+    """torchtitan computes its document ids inside forward from the EOS tokens (in-place writes included): a
+    value of the replicated token inputs, so it is the Documents source as an input of ids is; layout "auto"
+    picks the documents layout for it (on 3 ranks the 32 tokens are padded)."""
+    results = assert_equivalent(flex_zoo.flex_eos_documents, flex_zoo.flex_eos_inputs, flex_zoo.flex_loss,
+                                world_size=world_size, group=workers.get(world_size), backend="aot_eager",
+                                expect_sharded=True, timeout=600)
+    assert results[0]["attention_masks"] == [EOS_MASK] * flex_zoo.LAYERS, results[0]["attention_masks"]
+    assert results[0]["shard_details"]["layout"] == "documents", results[0]["shard_details"]
+    assert (results[0]["padded_to"] is not None) == (world_size == 3), results[0]["shard_details"]
+
+
+def test_document_ids_computed_after_the_first_sharded_op(workers):
+    """Ids computed after the embedding already read sharded tokens: the documents layout can't assign the chunks
+    before that op, so the graph takes zigzag (reason reported), still sharded and exact."""
+    results = assert_equivalent(flex_zoo.flex_eos_documents_late, flex_zoo.flex_eos_inputs, flex_zoo.flex_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=True,
+                                timeout=600)
+    assert results[0]["attention_masks"] == [EOS_MASK] * flex_zoo.LAYERS, results[0]["attention_masks"]
+    details = results[0]["shard_details"]
+    assert details["layout"] == "zigzag" and "document ids `seq_idx` are computed after" in details["layout_reason"], \
+        details
+
+
+def test_mask_mod_reading_activations_is_refused(workers):
+    """Ids derived from the hidden states are sharded activations, never document ids: refused with the reason,
+    the graph runs replicated (exact)."""
+    results = assert_equivalent(flex_zoo.flex_hidden_documents, flex_zoo.flex_eos_inputs, flex_zoo.flex_loss,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False,
+                                timeout=600)
+    assert "shard" not in [k for k, _ in results[0]["rewrites"]]
+    assert "attention.flex_mask" in results[0]["skip_codes"], results[0]["skipped"]
+    reasons = [reason for _, reason in results[0]["skipped"]]
+    assert any("computed from parameter" in r and "not of the token inputs alone" in r for r in reasons), reasons

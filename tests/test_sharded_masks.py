@@ -154,3 +154,35 @@ def test_eager_key_padding_with_fully_hidden_rows(workers, case):
     masks = {re.sub(r"\([^)]*\)", "", m.split(" ")[0]) for m in results[0]["attention_masks"]}
     assert all(m.startswith("causal") and "key_padding" in m for m in masks), results[0]["attention_masks"]
     assert all("alibi" in m for m in masks) == ("Mpt" in config_name), results[0]["attention_masks"]
+
+
+BLOOM_PADDED_CASES = {
+    "right_padded": (zoo.hf_loss_with_padding, None),
+    # the first row's pads see only pads: eager's uniform average over all keys, the ring op's hidden_rows="uniform"
+    "left_padded": (zoo.hf_loss_left_padded, "uniform"),
+    # a hole: BLOOM's ALiBi (counting real tokens) is not one ALiBi there, so that call runs the unsharded graph;
+    # the left-padded call after it runs the sharded one
+    "hole_then_left_padded": (zoo.hf_loss_padding_hole_then_left_padded, "uniform"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOOM_PADDED_CASES))
+def test_bloom_padded_batch(workers, case):
+    """BLOOM builds its ALiBi from the attention_mask's running count of real tokens: for contiguous padding
+    that is standard ALiBi up to a constant per query row (which the softmax ignores) with key padding, sharded
+    and exact; a call whose padding has a hole runs the unsharded graph (exact), with the reason reported."""
+    loss_fn, hidden_rows = BLOOM_PADDED_CASES[case]
+    results = assert_equivalent(functools.partial(zoo.hf_arch_variant, "BloomConfig", "eager"),
+                                zoo.hf_arch_batch_inputs, loss_fn, world_size=2, group=workers.get(2),
+                                backend="aot_eager", expect_sharded=True, timeout=300)
+    masks = results[0]["attention_masks"]
+    assert len(masks) == 2 and all(m.startswith("causal&key_padding(l_kwargs_attention_mask_,contiguous)&alibi(")
+                                   for m in masks), masks
+    if hidden_rows is not None:
+        assert set(results[0]["hidden_rows"]) == {hidden_rows}, results[0]["hidden_rows"]
+    holed = case.startswith("hole")
+    assert ("pipeline.padding_hole_fallback" in results[0]["skip_codes"]) == holed, results[0]["skipped"]
+    assert "pipeline.hidden_rows_fallback" not in results[0]["skip_codes"], results[0]["skipped"]
+    if holed:  # the unsharded graph's summary line says why it is replicated
+        summary = next(line for line in results[0]["report"].splitlines() if line.startswith("graph 1:"))
+        assert "replicated on 2 ranks" in summary and "not one contiguous run" in summary, results[0]["report"]

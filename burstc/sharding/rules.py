@@ -24,9 +24,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from burstc.attention_ir import Documents
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.passes.detect_attention import SDPA, attention_call, sdpa_kwargs
-from burstc.passes.graph_utils import is_function, is_method, is_mutating, normalized_kwargs, op_name, prod, val
+from burstc.passes.graph_utils import is_function, is_method, is_mutating, node_named, normalized_kwargs, op_name, \
+    prod, val
 from burstc.refusals import Refused
 from burstc.sharding.codes import CODES
 from burstc.sharding.placements import REPLICATE, MergedRows, Placement, Shard, TuplePlacement, is_sharded
@@ -190,6 +192,15 @@ def attention(analyzer, node):
                       "attention with an attention mask (masks are not supported by the ring op yet)", node)
     if call.dropout_p:
         raise Refused(CODES.dropout_in_training, "attention dropout > 0", node)
+    documents = match.mask.term(Documents) if match is not None else None
+    if documents is not None:
+        # the ring op takes the whole batch's ids on every rank: a value the model computes from its token inputs
+        # is that only while it stays replicated (never, e.g., after ``ids.float()`` shards it)
+        source = node_named(analyzer.gm.graph, documents.source)
+        if analyzer.place(source) != REPLICATE:
+            raise Refused(CODES.attention_mask, f"the mask's document ids `{source.name}` are a sharded value "
+                                                f"({analyzer.place(source)}), not the whole batch's on every rank",
+                          node)
     for t in (q, k, v):
         if not is_sharded(analyzer.place(t)):
             raise Refused(CODES.attention_operands, f"attention operand `{t.name}` is not sharded", node)

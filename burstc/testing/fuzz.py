@@ -165,11 +165,11 @@ class HypothesisDraw:
 
 def generate_flex_spec(d) -> ModelSpec:
     """A generated model whose attention is FlexAttention: causal, windowed or per-document (ids an input, or
-    computed in the forward from position_ids: refused, burstc reads only an input) mask_mods, a soft-cap or ALiBi score_mod, GQA through enable_gqa or repeats."""
+    computed in the forward from position_ids, a replicated value of the token inputs) mask_mods, a soft-cap or ALiBi score_mod, GQA through enable_gqa or repeats."""
     heads = d.choice([4, 2])
     kv_heads = d.choice([h for h in (heads, 1, 2) if heads % h == 0])
     score = d.choice([None, None, "softcap", "alibi"])
-    documents = d.boolean(0.4)  # ids as an input (what burstc reads) or from position_ids in the forward
+    documents = d.boolean(0.4)  # ids as an input or computed from position_ids in the forward
     return ModelSpec(
         dim=d.choice([32, 16]), layers=d.choice([1, 2]), heads=heads, kv_heads=kv_heads, head_dim=d.choice([8, 4]),
         attention="flex", gqa=d.choice(["enable_gqa", "repeat_kv"]) if kv_heads < heads else "repeat_kv",

@@ -51,6 +51,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_num_items,
     hf_loss_left_padded,
     hf_loss_left_padded_all_labels,
+    hf_loss_padding_hole_then_left_padded,
     packed_position_ids,
     windowed_hf_llama,
     hf_loss_autocast,

@@ -27,7 +27,22 @@ def _mask_mod(kind: str, doc_ids):
     def block_causal(b, h, q_idx, kv_idx):  # torchtitan's document mask: ids per batch row
         return (q_idx >= kv_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
 
-    return {"causal": causal, "window": window, "documents": block_causal}[kind]
+    return {"causal": causal, "window": window, "documents": block_causal, "eos_documents": block_causal,
+            "eos_documents_late": block_causal, "hidden_documents": block_causal}[kind]
+
+
+EOS_ID = 0
+
+
+def eos_document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """torchtitan's document ids (``_get_document_mask_mod``): a document ends at each EOS token, so the ids
+    count the EOS tokens before each position; computed inside ``forward`` from the token inputs."""
+    mask = tokens == eos_id
+    mask[:, -1] = True
+    acc_mask = torch.cumsum(torch.where(mask, 1, 0), dim=1)
+    seq_idx = torch.zeros_like(acc_mask, dtype=torch.int32)
+    seq_idx[:, 1:] = acc_mask[:, :-1]
+    return seq_idx
 
 
 SOFT_CAP = 20.0
@@ -62,8 +77,14 @@ class FlexDecoder(nn.Module):
 
         B, S = ids.shape
         d = DIM // HEADS
+        h = self.emb(ids) if self.mask == "eos_documents_late" else None  # sharded before the ids are known
+        if self.mask in ("eos_documents", "eos_documents_late"):
+            doc_ids = eos_document_ids(ids, EOS_ID)
+        elif self.mask == "hidden_documents":
+            # not document ids: a value of the activations (sharded over the sequence), compared like them
+            doc_ids = (self.emb(ids).sum(-1) > 0).cumsum(-1)
         block_mask = create_block_mask(_mask_mod(self.mask, doc_ids), B, None, S, S, device=ids.device)
-        h = self.emb(ids)
+        h = self.emb(ids) if h is None else h
         for qkv, proj in zip(self.qkv, self.proj):
             q, k, v = qkv(h).split([HEADS * d, KV_HEADS * d, KV_HEADS * d], dim=-1)
             q = q.view(B, S, HEADS, d).transpose(1, 2)
@@ -110,8 +131,20 @@ def flex_loss(model, inputs):
         return model(ids, labels, doc_ids)
 
 
+def flex_eos_inputs(batch: int = 2, seq: int = 32):
+    """Token rows with EOS tokens (id 0) at uneven places, different per row (the documents a model computing
+    its ids from them sees); no document-id input."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    ids[torch.rand(batch, seq, generator=g) < 0.15] = EOS_ID
+    return ids, None
+
+
 flex_causal = functools.partial(flex_decoder, "causal")
 flex_window = functools.partial(flex_decoder, "window")
 flex_documents = functools.partial(flex_decoder, "documents")
 flex_soft_capped = functools.partial(flex_decoder, "documents", "softcap")
 flex_alibi = functools.partial(flex_decoder, "causal", "alibi")
+flex_eos_documents = functools.partial(flex_decoder, "eos_documents")
+flex_eos_documents_late = functools.partial(flex_decoder, "eos_documents_late")
+flex_hidden_documents = functools.partial(flex_decoder, "hidden_documents")

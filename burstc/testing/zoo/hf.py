@@ -154,6 +154,15 @@ def hf_loss_left_padded_all_labels(model, ids):
     return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
 
 
+def hf_loss_padding_hole_then_left_padded(model, ids):
+    """Two calls: a batch whose second row has a hole in its padding (tokens 10-13 masked out between real
+    tokens, their labels ignored), then the left-padded batch of :func:`hf_loss_left_padded`; their losses summed."""
+    mask = torch.ones_like(ids)
+    mask[1, 10:14] = 0
+    holed = model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask, use_cache=False).loss
+    return holed + hf_loss_left_padded(model, ids)
+
+
 def windowed_hf_llama():
     """A Mistral (Llama with a sliding window) whose window (8) is shorter than the sequence."""
     import transformers
