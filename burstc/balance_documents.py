@@ -181,6 +181,8 @@ def rows_needed(doc_ids: torch.Tensor, owner_S: torch.Tensor, world_size: int) -
     seq_len = doc_ids.shape[-1]
     rows = doc_ids.reshape(-1, seq_len)
     _, dense = torch.unique(rows, return_inverse=True)
+    if rows.shape[0] == 1:  # one row: O(S + P * documents), no per-rank pass
+        return _rows_needed_one_row(dense[0], owner_S, world_size)
     key_BS = dense + torch.arange(rows.shape[0])[:, None] * (int(dense.max()) + 1)   # a document of a batch row
     position_BS = torch.arange(seq_len).expand_as(key_BS)
     needed = torch.zeros(world_size, dtype=torch.int64)
@@ -191,6 +193,21 @@ def rows_needed(doc_ids: torch.Tensor, owner_S: torch.Tensor, world_size: int) -
         seen_BS = position_BS <= last[key_BS]   # a key at or before this rank's last query of its document
         needed[rank] = int((seen_BS.any(0) & ~mine_S).sum())
     return needed
+
+
+def _rows_needed_one_row(dense_S: torch.Tensor, owner_S: torch.Tensor, world_size: int) -> torch.Tensor:
+    """:func:`rows_needed` for one batch row (``dense_S``: document ids 0..D-1): rank r needs, of each document it
+    holds tokens of, the keys at or before its last token there (``keys_seen`` at that token counts them), less
+    its own tokens (all of which are at or before their document's last)."""
+    documents = int(dense_S.max()) + 1
+    key_S = owner_S * documents + dense_S                                   # (rank, document)
+    last = torch.full((world_size * documents,), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, key_S, torch.arange(dense_S.numel()), "amax")
+    held = last >= 0
+    seen_up_to_last = keys_seen(dense_S)[last[held]]
+    rank_of_key = torch.arange(world_size * documents)[held] // documents
+    totals = torch.zeros(world_size, dtype=torch.int64).index_add_(0, rank_of_key, seen_up_to_last)
+    return totals - torch.bincount(owner_S, minlength=world_size)
 
 
 def predicted_seconds(doc_ids: torch.Tensor, owner_C: torch.Tensor, world_size: int, seconds_per_entry: float,

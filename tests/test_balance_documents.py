@@ -198,6 +198,20 @@ def test_rows_needed_is_the_data_zero_redundancy_bound(batch):
             assert got.tolist() == [b // row_bytes for b in bound["forward"]], (seed, owners)
 
 
+def test_rows_needed_of_one_row_is_the_batch_count_of_that_row_twice():
+    """One row takes the O(S + P * documents) path, a batch the per-rank pass: the same counts (ids sorted or
+    reused out of order, any owners)."""
+    from burstc.balance_documents import rows_needed
+
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(10):
+        ids = _packed_ids(1, 240, seed=trial, start_probability=0.05)[0]
+        if trial % 2:
+            ids = ids % 3
+        owner_S = torch.randint(0, 4, (240,), generator=generator)
+        assert torch.equal(rows_needed(ids[None], owner_S, 4), rows_needed(torch.stack([ids, ids]), owner_S, 4))
+
+
 def test_the_cost_picks_zigzag_behind_slow_links_and_balanced_chunks_otherwise():
     from burstc.balance_documents import chunk_owners, chunk_owners_by_cost, predicted_seconds, zigzag_owners
     from burstc.ops import document_layout
