@@ -211,12 +211,13 @@ def _rows_needed_one_row(dense_S: torch.Tensor, owner_S: torch.Tensor, world_siz
 
 
 def predicted_seconds(doc_ids: torch.Tensor, owner_C: torch.Tensor, world_size: int, seconds_per_entry: float,
-                      seconds_per_row: float) -> float:
+                      seconds_per_row: float, weights_C: torch.Tensor | None = None) -> float:
     """The busiest rank's ``max(compute, transfer)`` of a call whose chunks are owned as ``owner_C``: its score
     entries times ``seconds_per_entry`` against the rows it receives times ``seconds_per_row`` (the ring overlaps
-    them)."""
-    weights = torch.tensor(chunk_work(doc_ids, owner_C.numel()), dtype=torch.int64)
-    work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner_C, weights)
+    them).  ``weights_C``: :func:`chunk_work` of these chunks, when the caller has it."""
+    if weights_C is None:
+        weights_C = torch.tensor(chunk_work(doc_ids, owner_C.numel()), dtype=torch.int64)
+    work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner_C, weights_C)
     rows = rows_needed(doc_ids, owner_C.repeat_interleave(doc_ids.shape[-1] // owner_C.numel()), world_size)
     return float(torch.maximum(work.double() * seconds_per_entry, rows.double() * seconds_per_row).max())
 
@@ -230,7 +231,8 @@ def chunk_owners_by_cost(doc_ids: torch.Tensor, world_size: int, chunks_per_rank
     zigzag = zigzag_owners(world_size, chunks_per_rank)
     if torch.equal(balanced, zigzag):
         return balanced, "balanced"
-    costs = [predicted_seconds(doc_ids, owners, world_size, seconds_per_entry, seconds_per_row)
+    weights_C = torch.tensor(chunk_work(doc_ids, zigzag.numel()), dtype=torch.int64)  # both candidates' chunks
+    costs = [predicted_seconds(doc_ids, owners, world_size, seconds_per_entry, seconds_per_row, weights_C)
              for owners in (balanced, zigzag)]
     return (zigzag, "zigzag") if costs[1] < costs[0] else (balanced, "balanced")
 

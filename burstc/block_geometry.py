@@ -346,11 +346,16 @@ def intersect_runs(a: Runs, b: Runs) -> Runs:
     return tuple(found)
 
 
-def valid_key_runs(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> Runs:
-    """The rows of ``owner``'s shard that are a real key in some batch row (``key_valid_BS`` ``[B, S_global]``):
-    a row that is padding in every batch row is a key no query sees, so it need not travel."""
+def valid_key_rows(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> torch.Tensor:
+    """Bool ``[local_len]``: the rows of ``owner``'s shard that are a real key in some batch row (``key_valid_BS``
+    ``[B, S_global]``); a row that is padding in every batch row is a key no query sees."""
     positions = local_positions(local_len * world_size, world_size, owner, layout, key_valid_BS.device)
-    return _runs_of(key_valid_BS[:, positions].any(0).cpu())
+    return key_valid_BS[:, positions].any(0)
+
+
+def valid_key_runs(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> Runs:
+    """:func:`valid_key_rows` as runs: the rows of ``owner``'s shard that need travel at all."""
+    return _runs_of(valid_key_rows(layout, owner, local_len, world_size, key_valid_BS).cpu())
 
 
 def data_hides_pair(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
@@ -480,8 +485,7 @@ def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids_BS, key_valid_BS):
         return ()
     if found and mask.term(KeyPadding) is not None:  # keys padded in every batch row don't travel: drop their blocks
-        kv_valid_L = key_valid_BS[:, local_positions(local_len * world_size, world_size, kv_owner, layout,
-                                                     key_valid_BS.device)].any(0)
+        kv_valid_L = valid_key_rows(layout, kv_owner, local_len, world_size, key_valid_BS)
         found = tuple(b for b in found if bool(kv_valid_L[b.kv_start:b.kv_stop].any()))
     if found and mask.term(Documents) is not None:
         if packed_documents is None:

@@ -142,10 +142,10 @@ def _ring_and_plan(config, context, group_name: str, layout: str, mask, seq_len:
     return groups, plan_name, choice, chosen, details
 
 
-def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
+def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, document_prices: dict | None = None
            ) -> tuple[list[str], tuple[str, ...], tuple[str, ...]]:
     """Rewrite ``gm`` by ``plan`` -> (names of the outputs gathered, the backward plan and the ring of each ring
-    attention)."""
+    attention).  ``document_prices``: the documents layout's (:func:`_documents_layout`)."""
     graph = gm.graph
     layout = config.layout
     static_layout = static_stand_in(layout)  # what the compile-time formulas use
@@ -155,9 +155,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name
     runtime_data = {}  # (kind, input name) -> the graph value, computed once for every layer
     fake_mode = fake_mode_of(gm)
     # the documents layout: the call's chunk owners, from the replicated ids, before anything is sharded
-    owners = (_document_chunks(graph, plan, context, analyzer, fake_mode, runtime_data, config),) \
-        if layout == DOCUMENTS \
-        else ()
+    owners = (_document_chunks(graph, plan, context, analyzer, fake_mode, runtime_data, document_prices),) \
+        if layout == DOCUMENTS else ()
 
     order = {node: i for i, node in enumerate(graph.nodes)}
 
@@ -375,7 +374,8 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         return gm
     group_name = _group_name(context)
     call_checks = _call_checks(gm, plan, context)
-    gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name)
+    gathered, plans, rings = _apply(gm, plan, analyzer, config, context, group_name,
+                                    layout_details.get("document_prices"))
     eliminate_dead_code(gm.graph)
     gm.graph.lint()
     refresh_meta(gm)
@@ -535,19 +535,17 @@ def _documents_too_late(graph: fx.Graph, plan: Plan, context) -> str | None:
 
 
 def _document_chunks(graph: fx.Graph, plan: Plan, context, analyzer: Analyzer, fake_mode, runtime_data: dict,
-                     config) -> fx.Node:
+                     prices: dict) -> fx.Node:
     """The ``burstc::document_chunks`` node of the documents layout, on the first ring attention's document ids,
     inserted where they are known (after the placeholders, or after the value the model computes them as; from
     replicated inputs, before anything is sharded: ``_documents_too_late``); the ids' node lands in
-    ``runtime_data`` for the attentions to reuse.  It gets the cost model's prices of a score entry and of a K/V
-    row summed over the graph's ring attentions, to pick zigzag's chunks per call where they are predicted
-    faster."""
+    ``runtime_data`` for the attentions to reuse.  It gets ``prices`` (:func:`_document_prices`, as the layout's
+    details report them), to pick zigzag's chunks per call where they are predicted faster."""
     from burstc.balance_documents import finest_chunks_per_rank
 
     _, mask, batch, anchor = _documents_source(graph, plan, context)
     with graph.inserting_before(anchor.next):
         doc_ids, _ = _runtime_mask_data(graph, mask, batch, analyzer.padded_len, fake_mode, runtime_data)
-        prices = _document_prices(plan, context, config)
         args = (doc_ids, analyzer.P, finest_chunks_per_rank(analyzer.padded_len, analyzer.P),
                 prices["seconds_per_entry"], prices["seconds_per_row"])
         owners = graph.call_function(torch.ops.burstc.document_chunks.default, args)

@@ -116,7 +116,8 @@ def uniform_rows_grads(grad_out_BHLD: Tensor, q_BHLD: Tensor, k_BKLD: Tensor, v_
     softcap = None if mask is None or not score_grad else mask.term(SoftCap)
     real = real_L.to(ACC_DTYPE)[None, None, :, None]
     do_BHLD = grad_out_BHLD.to(ACC_DTYPE) * hidden_BL[:, None, :, None].to(ACC_DTYPE)
-    k32, v32 = k_BKLD.to(ACC_DTYPE) * real, v_BKLD.to(ACC_DTYPE) * real
+    if score_grad:  # (a replaced score's rows need only dO's sum)
+        k32, v32 = k_BKLD.to(ACC_DTYPE) * real, v_BKLD.to(ACC_DTYPE) * real
     sums = [_group_sum(do_BHLD.sum(2), kv_heads)]
     if softcap is not None:
         sums += [v32.sum(2)]
