@@ -58,6 +58,8 @@ MODEL_GQA = ["tests/test_sharded_models.py", "-k", "test_model_matches_single_de
 MODEL_LAYOUTS = ["tests/test_sharded_models.py", "-k", "test_layouts_and_plans and (zigzag-burst or striped-kv_ring)"]
 MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_cannot_split_is_padded_when_exact"]
 MODEL_CE = ["tests/test_sharded_models.py", "-k", "test_unfused_cross_entropy_is_sharded or per_token_losses"]
+MOE_RULES = ["tests/test_moe_dispatch.py"]
+MOE_MODELS = ["tests/test_hf_architectures.py", "-k", "mixture_of_experts_dispatch and mixtral"]
 MODEL_GATHER = ["tests/test_sharded_models.py", "-k", "per_token_losses or kept_logits"]
 MODEL_BIDIRECTIONAL = ["tests/test_sharded_models.py", "-k", "test_bidirectional_model_matches_when_divisible"]
 UNPADDED = ["tests/test_unpadded_mask.py"]
@@ -266,17 +268,42 @@ MUTANTS = [
        "a padded first batch is specialized as if unpadded", UNPADDED),
     # --- sharding rules -------------------------------------------------------------------------------------
     _m("transpose_rule", "burstc/sharding/rules.py",
-       "return Shard(b if d == a else a if d == b else d)",
-       "return Shard(d)",
+       "return at_dim(analyzer.place(x), b if d == a else a if d == b else d)",
+       "return at_dim(analyzer.place(x), d)",
        "transpose keeps the sharded dim's index", RULES),
     _m("unsqueeze_rule", "burstc/sharding/rules.py",
-       "return Shard(d + 1 if k <= d else d)",
-       "return Shard(d + 1 if k < d else d)",
+       "return at_dim(placement, placement.dim + 1 if k <= placement.dim else placement.dim)",
+       "return at_dim(placement, placement.dim + 1 if k < placement.dim else placement.dim)",
        "unsqueeze before the sharded dim at its own index: off by one", RULES),
     _m("reduction_rule", "burstc/sharding/rules.py",
-       "return Shard(d if keepdim else d - sum(1 for i in dims if i < d))",
-       "return Shard(d)",
+       "return at_dim(analyzer.place(x), d if keepdim else d - sum(1 for i in dims if i < d))",
+       "return at_dim(analyzer.place(x), d)",
        "a reduction over an earlier dim keeps the sharded dim's index", RULES),
+    # --- a mixture of experts' dispatch (rank-local sort, grouped matmul, un-permute) -------------------------
+    _m("dispatch_arange_global", "burstc/sharding/dispatch_rules.py",
+       "analyzer.plan.new_args[src] = ((_local_extent(analyzer, by.order),), dict(src.kwargs))",
+       "pass",
+       "the inverse permutation's arange keeps the whole sequence's slot count", MOE_RULES, MOE_MODELS),
+    _m("dispatch_inverse_swapped", "burstc/sharding/dispatch_rules.py",
+       "analyzer.plan.placement[dst] = RowIndex(target=by.order, order=by.target)",
+       "analyzer.plan.placement[dst] = RowIndex(target=by.target, order=by.order)",
+       "the inverse permutation typed as the permutation itself", MOE_RULES),
+    _m("dispatch_histc_any_keys", "burstc/sharding/dispatch_rules.py",
+       "    if not _indices_output(R.first_arg(sort)):",
+       "    if False:",
+       "group counts of sort keys that may fall below the histogram's range", MOE_RULES),
+    _m("dispatch_grouped_mm_any_offsets", "burstc/sharding/dispatch_rules.py",
+       "    if offsets != GroupSizes(rows_at.by, cumulative=True):",
+       "    if not isinstance(offsets, GroupSizes):",
+       "a grouped matmul with another sort's offsets", MOE_RULES),
+    _m("dispatch_slots_per_token_any_divisor", "burstc/sharding/dispatch_rules.py",
+       "or factors(target)[1] % k:",
+       "or False:",
+       "slot numbers divided by other than the slots per token", MOE_RULES),
+    _m("reshape_rows_slots_dropped", "burstc/sharding/rules.py",
+       "            return rows(j, new_outer, new_inner)",
+       "            return rows(j, new_outer, 1)",
+       "a reshape that merges each token's slots into its row forgets them", MOE_RULES, MOE_MODELS),
     # --- planner --------------------------------------------------------------------------------------------
     _m("planner_choice_inverted", "burstc/planner.py",
        "chosen = \"burst\" if per_call[\"burst\"] < per_call[\"kv_ring\"] else \"kv_ring\"",

@@ -47,6 +47,7 @@ from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_plac
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
+from burstc.sharding.placements import RowIndex, TuplePlacement
 
 KIND = "shard"
 _Analyzer = Analyzer  # the old name, which tests patch
@@ -384,13 +385,21 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "padded_to": padded_len if padded_len != seq_len else None,
         "local_tokens": padded_len // context.world_size, "attention_ops": len(plan.attention),
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
-        "gathered_outputs": gathered or None, **layout_details,
+        "gathered_outputs": gathered or None, "expert_dispatches": _rank_local_sorts(plan) or None,
+        **layout_details,
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,
                                           seq_len=seq_len, padded_len=padded_len,
                                           call_checks=call_checks,
                                           ring=" + ".join(sorted(set(rings))) or "flat")
     return gm
+
+
+def _rank_local_sorts(plan: Plan) -> int:
+    """Sorts of token rows each rank runs on its own tokens (a mixture of experts' dispatch: sort, grouped
+    matmul, un-permute; see burstc.sharding.dispatch_rules)."""
+    return sum(1 for p in plan.placement.values()
+               if isinstance(p, TuplePlacement) and len(p) == 2 and isinstance(p[1], RowIndex))
 
 
 def _new_analyzer(gm, seq_len: int, padded_len: int, config, context) -> Analyzer:

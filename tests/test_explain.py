@@ -156,9 +156,9 @@ def test_parsing_and_errors():
 
 
 def test_a_refused_graph_and_a_tokens_targets_model():
-    # Mixtral's router (topk on the sequence) makes the shard pass refuse: the report says why, and nothing is
-    # costed as sharded
-    result = burstc.explain(functools.partial(hf.hf_arch, "MixtralConfig"), mesh="2x2", seq_len=256, device="A100")
+    # Qwen3-Next's short convolution over the sequence makes the shard pass refuse: the report says why, and
+    # nothing is costed as sharded
+    result = burstc.explain(functools.partial(hf.hf_arch, "Qwen3NextConfig"), mesh="2x2", seq_len=256, device="A100")
     assert result.attentions == [] and "replicated on 4 ranks" in str(result)
     assert [s.code for s in result.report.skipped if s.kind == "shard"] == ["shard.unsupported_op"]
     assert result.step_seconds["gradient all-reduce over 4 ranks (inter links)"] == 0

@@ -22,11 +22,13 @@ SHARDED = [
     # logits scaled between the head and the loss (fused with the scale)
     "CohereConfig", "Cohere2Config", "GraniteConfig",
     "Gemma2Config",  # eager attention with soft-capped scores: the ring op applies the soft-cap
+    # mixture of experts: routers per token; the grouped-mm dispatch (sort, grouped matmul, un-permute) on each
+    # rank's own tokens; Llama-4's every-expert bmm over repeated rows
+    "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "FlexOlmoConfig",
+    "Glm4MoeConfig", "Llama4TextConfig",
 ]
 REFUSED = [
-    # mixture-of-experts routing (top-k over experts, then data-dependent token dispatch)
-    "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "MiniMaxConfig",
-    "FlexOlmoConfig", "Glm4MoeConfig", "Llama4TextConfig",
+    "MiniMaxConfig",  # lightning (linear) attention layers: a running sum over the sequence
     "FalconH1Config", "Qwen3NextConfig",  # convolutions over the sequence (Mamba-style / linear attention)
 ]
 ARCHITECTURES = {**{name: True for name in SHARDED}, **{name: False for name in REFUSED}}
@@ -54,6 +56,36 @@ def test_batch_of_two_is_sharded(workers, config_name):
                                 zoo.hf_loss_no_cache, world_size=2, group=workers.get(2), backend="aot_eager",
                                 timeout=300)
     assert "shard" in [k for k, _ in results[0]["rewrites"]]
+
+
+@pytest.mark.parametrize("config_name, experts, world_size, inputs, loss, layout", [
+    # a padded batch: merged (batch, token, slot) rows through the sort and the grouped matmul
+    ("MixtralConfig", "grouped_mm", 2, zoo.hf_arch_batch_inputs, zoo.hf_loss_with_padding, "zigzag"),
+    # 32 tokens on 3 ranks: the layout's pad rows are routed too (their outputs dropped)
+    ("Qwen2MoeConfig", "grouped_mm", 3, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, "striped"),
+    # one expert weight per token slot (repeat_interleave, weights gathered per slot, bmm)
+    ("Qwen3MoeConfig", "batched_mm", 2, zoo.hf_arch_batch_inputs, zoo.hf_loss_packed, "documents"),
+], ids=["mixtral_padded", "qwen2moe_3_ranks", "qwen3moe_batched_packed"])
+def test_mixture_of_experts_dispatch_is_sharded(workers, config_name, experts, world_size, inputs, loss, layout):
+    results = assert_equivalent(functools.partial(zoo.hf_moe, config_name, experts), inputs, loss,
+                                world_size=world_size, group=workers.get(world_size), backend="aot_eager",
+                                timeout=300, layout=layout)
+    shard_details = results[0]["shard_details"]
+    layers = 2
+    assert shard_details["expert_dispatches"] == (layers if experts == "grouped_mm" else None)
+    assert shard_details["layout"] == layout and "attention" in [k for k, _ in results[0]["rewrites"]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_balancing_loss_added_in_place_is_exact(workers, world_size):
+    # Mixtral's `loss += coef * aux_loss` writes into the fused loss's output in place: the op saved that output
+    # for its backward, which then failed (BackendCompilerFailed); the aux loss sums over every token, so the
+    # graph runs replicated, with the fused loss
+    results = assert_equivalent(zoo.hf_moe_with_aux_loss, zoo.hf_arch_inputs, zoo.hf_loss_no_cache,
+                                world_size=world_size, group=workers.get(world_size), backend="aot_eager",
+                                expect_sharded=False, timeout=300)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert "lm_head_loss" in kinds and "shard" not in kinds
 
 
 @pytest.mark.parametrize("config_name", ["Qwen2Config", "GPT2Config", "Gemma3TextConfig", "GPTNeoXConfig"])

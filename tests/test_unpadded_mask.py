@@ -143,8 +143,8 @@ def test_windowed_padding_mask_is_sharded_as_data(workers):
 
 
 def test_refused_graph_keeps_the_real_reason(workers):
-    # MoE routing is refused whatever the mask: no runtime check is kept, and the report says why
-    results = assert_equivalent(functools.partial(zoo.hf_arch, "MixtralConfig"), zoo.hf_arch_batch_inputs,
+    # a convolution over the sequence is refused whatever the mask: no runtime check is kept, and the report says why
+    results = assert_equivalent(functools.partial(zoo.hf_arch, "Qwen3NextConfig"), zoo.hf_arch_batch_inputs,
                                 zoo.hf_loss_with_attention_mask, world_size=2, group=workers.get(2),
                                 backend="aot_eager", expect_sharded=False)
     kinds = [k for k, _ in results[0]["rewrites"]]

@@ -163,7 +163,10 @@ def _lce_with_grads_setup(ctx, inputs, output):
     # otherwise autograd hands backward zero-filled [V, H] / [N, H] "gradients" for these outputs: one more copy
     # of the gradients at the peak
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, loss, inputs[4])
+    # the loss only where the normalizer's gradient needs it, and a copy: models add to their loss in place
+    # (Mixtral's `loss += coef * aux_loss`), which would bump a saved output's version and fail the backward
+    loss_copy = loss.detach().clone() if ctx.needs_input_grad[4] else None
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, loss_copy, inputs[4])
 
 
 def _lce_with_grads_backward(ctx, grad_loss, _grad_gh, _grad_gw, _grad_gb):

@@ -14,7 +14,9 @@ import torch.fx as fx
 from burstc.passes.graph_utils import ancestors, is_function, mutated_values, op_name, placeholder_kind, val
 from burstc.refusals import Refused
 from burstc.sharding.codes import CODES
-from burstc.sharding.placements import REPLICATE, MergedRows, Placement, Shard, is_sharded
+from burstc.sharding.dispatch_rules import DISPATCH_RULES
+from burstc.sharding.placements import DISPATCH_PLACEMENTS, REPLICATE, MergedRows, Permuted, Placement, Shard, \
+    factors, is_sharded
 from burstc.sharding.rules import MERGED_RULES, REPLICATED_RULES, SHARDED_RULES
 
 
@@ -94,13 +96,13 @@ class Analyzer:
                 isinstance(x, torch.Tensor) for x in v))
         return [a for a in node.all_input_nodes if tensor_like(val(a))]
 
-    def local_shape(self, out_val, placement: Shard | MergedRows):
-        """``out_val``'s shape on one rank: the sequence dim holds ``s`` tokens (per merged batch row)."""
+    def local_shape(self, out_val, placement: Shard | MergedRows | Permuted):
+        """``out_val``'s shape on one rank: the sequence dim holds ``s`` tokens (per merged batch row, times the
+        slots per token)."""
         shape = list(out_val.shape)
-        if isinstance(placement, MergedRows):
-            shape[placement.dim] = placement.outer * self.s
-        else:
-            shape[placement.dim] = self.s
+        rows = placement.rows if isinstance(placement, Permuted) else placement
+        outer, inner = factors(rows)
+        shape[rows.dim] = outer * self.s * inner
         return shape
 
     # -- the walk --------------------------------------------------------------------------------
@@ -111,6 +113,8 @@ class Analyzer:
             # an attention replaced whole (FlexAttention's output, a manual attention left as written): its
             # operands are the match's q/k/v, not the node's arguments (the skipped insides)
             table = SHARDED_RULES
+        elif any(isinstance(p, DISPATCH_PLACEMENTS) for p in placements):
+            table = DISPATCH_RULES
         elif any(isinstance(p, MergedRows) for p in placements):
             table = MERGED_RULES
         elif any(is_sharded(p) for p in placements):
@@ -172,6 +176,9 @@ class Analyzer:
             if isinstance(p, MergedRows):
                 self.output_problem = Refused(CODES.merged_rows, f"output `{out.name}` has merged batch and "
                                                                  "sequence rows (not gathered yet)", out)
+            elif isinstance(p, DISPATCH_PLACEMENTS):
+                self.output_problem = Refused(CODES.unsupported_op, f"output `{out.name}` is in this rank's own "
+                                                                    f"order or numbering ({p})", out)
             elif isinstance(p, Shard):
                 self.plan.outputs_to_gather.append((i, out))
             elif isinstance(val(out), torch.Tensor) and val(out).requires_grad and not self._depends_on_loss(out):

@@ -31,7 +31,8 @@ from burstc.passes.graph_utils import is_function, is_method, is_mutating, node_
     prod, val
 from burstc.refusals import Refused
 from burstc.sharding.codes import CODES
-from burstc.sharding.placements import REPLICATE, MergedRows, Placement, Shard, TuplePlacement, is_sharded
+from burstc.sharding.placements import REPLICATE, GroupSizes, MergedRows, Permuted, Placement, RowIndex, Shard, \
+    TuplePlacement, at_dim, factors, is_sharded, rows
 
 if TYPE_CHECKING:
     from burstc.sharding.analysis import Analyzer
@@ -56,7 +57,7 @@ POINTWISE_METHODS = {
     "abs", "clamp", "relu", "square", "reciprocal", "__mul__", "__add__", "__sub__", "__truediv__", "float_power",
     "expm1", "log1p", "sign", "floor", "ceil", "round", "trunc", "erf", "clip", "lerp", "addcmul", "nan_to_num",
     "logical_not", "isnan", "where", "minimum", "maximum", "__neg__", "__rsub__", "__radd__", "__rmul__",
-    "__rtruediv__",
+    "__rtruediv__", "bool", "int", "long",
 }
 UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
 REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"}
@@ -160,17 +161,17 @@ def cross_entropy(analyzer, node):
         raise Refused(CODES.loss_arguments, "cross_entropy ignore_index is not a constant", node)
     logits_val, target_val = val(logits), val(target)
     placement = analyzer.place(logits)
-    rows = placement.outer if isinstance(placement, MergedRows) and placement.dim == 0 \
-        else 1 if placement == Shard(0) else None
-    if logits_val.dim() != 2 or rows is None:
+    batch_rows = placement.outer if isinstance(placement, MergedRows) and placement.dim == 0 \
+        and placement.inner == 1 else 1 if placement == Shard(0) else None
+    if logits_val.dim() != 2 or batch_rows is None:
         raise Refused(CODES.loss_arguments, "cross_entropy on sharded logits that are not [tokens, classes] with "
                                             "the tokens sharded", node)
     if is_sharded(analyzer.place(target)):
         raise Refused(CODES.loss_targets, "cross_entropy targets are already sharded", node)
-    if target_val.dim() != 1 or target_val.shape[0] != rows * analyzer.S or target_val.dtype.is_floating_point:
+    if target_val.dim() != 1 or target_val.shape[0] != batch_rows * analyzer.S or target_val.dtype.is_floating_point:
         raise Refused(CODES.loss_targets, "cross_entropy targets are not class indices, one per token of the batch",
                       node)
-    analyzer.plan.merged_rows[node] = rows
+    analyzer.plan.merged_rows[node] = batch_rows
     analyzer.plan.losses.append(node)
     return REPLICATE  # the per-token losses are gathered: the loss is replicated
 
@@ -293,7 +294,61 @@ def indexing(analyzer, node):
     new_index = tuple(new_items) if isinstance(index, tuple) else new_items[0]
     if new_index != index:
         analyzer.plan.new_args[node] = ((x, new_index), dict(node.kwargs))
-    return Shard(result)
+    return at_dim(analyzer.place(x), result)
+
+
+def tensor_index(node):
+    """``(x, index)`` of ``x[index]`` where ``index`` indexes dim 0 with one tensor (``x[i]``, ``x[i, :]``,
+    ``x[i, ...]``), else None."""
+    if not is_function(node, operator.getitem):
+        return None
+    x, index = node.args[:2]
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not items or not isinstance(items[0], fx.Node) or not isinstance(val(items[0]), torch.Tensor):
+        return None
+    if any(i is not Ellipsis and i != slice(None) for i in items[1:]):
+        return None
+    return x, items[0]
+
+
+@rule("gather_rows", lambda analyzer, node: tensor_index(node) is not None)
+def gather_rows(analyzer, node):
+    """``x[index]`` along dim 0: rows gathered by this rank's own row numbers (:class:`RowIndex`: a sort's
+    indices, their inverse), or a replicated table looked up per token row (expert weights by expert id).
+    Any other tensor index into sharded rows would read other ranks' rows: refused."""
+    x, index = tensor_index(node)
+    where, by = analyzer.place(x), analyzer.place(index)
+    if isinstance(by, RowIndex):
+        if val(index).dim() != 1 or where != at_dim(by.target, 0):
+            raise Refused(CODES.slices_sequence, f"`{index.name}` numbers rows of a value placed {by.target}, "
+                                                 f"not of `{x.name}` ({where})", node)
+        return at_dim(by.order, 0)
+    if not is_sharded(where) and isinstance(by, (Shard, MergedRows, Permuted)) \
+            and not val(index).dtype.is_floating_point and val(index).dtype is not torch.bool:
+        return by  # the index's dims replace x's dim 0, rows where they were
+    raise Refused(CODES.slices_sequence, "tensor indexing of a sharded value", node)
+
+
+@rule("topk_sort", on_ops((torch.topk, torch.sort, torch.argsort), ("topk", "sort", "argsort")))
+def topk_sort(analyzer, node):
+    """Along another dim than the rows: each row alone (a router's top-k experts).  A sort of 1-D token rows
+    along them: the sorted values are :class:`Permuted` by this node, its indices the :class:`RowIndex` that
+    made them (a mixture of experts grouping token slots by expert, each rank its own)."""
+    x = first_arg(node)
+    placement, v = analyzer.place(x), val(x)
+    topk = is_function(node, torch.topk) or is_method(node, "topk")
+    default_dim = -1
+    dim = node.kwargs.get("dim", node.args[2 if topk else 1] if len(node.args) > (2 if topk else 1) else default_dim)
+    if not isinstance(dim, int):
+        raise Refused(CODES.unsupported_op, f"`{op_name(node)}` with a non-constant dim", node)
+    argsort = is_function(node, torch.argsort) or is_method(node, "argsort")
+    if norm_dim(dim, v.dim()) != placement.dim:
+        return placement if argsort else TuplePlacement((placement, placement))
+    if topk or v.dim() != 1 or not isinstance(placement, (Shard, MergedRows)):
+        raise Refused(CODES.mixes_positions, f"`{op_name(node)}` across the sequence", node)
+    order = Permuted(placement, node.name)
+    indices = RowIndex(target=placement, order=order)
+    return indices if argsort else TuplePlacement((order, indices))
 
 
 # -- pointwise ---------------------------------------------------------------------------------------
@@ -319,12 +374,27 @@ def pointwise(analyzer, node, operands) -> Placement:
             continue
         k = val(a).dim()
         aligned = out.dim - (n - k)
-        if 0 <= aligned < k and val(a).shape[aligned] == analyzer.S and not isinstance(out, MergedRows):
+        if 0 <= aligned < k and val(a).shape[aligned] == analyzer.S and isinstance(out, Shard):
             analyzer.shard_input(node, a, aligned)
         elif 0 <= aligned < k and val(a).shape[aligned] != 1:
             raise Refused(CODES.misaligned_operands,
                           f"replicated operand `{a.name}` does not line up with the sequence", node)
     return out
+
+
+POINTWISE_INPLACE_METHODS = {"add_", "sub_", "mul_", "div_", "masked_fill_", "clamp_", "copy_", "neg_", "exp_",
+                             "tanh_", "sigmoid_", "relu_", "pow_", "fill_", "zero_"}
+
+
+@rule("pointwise_inplace", on_methods(*POINTWISE_INPLACE_METHODS))
+def pointwise_inplace(analyzer, node):
+    """``x.add_(y)`` on a sharded ``x`` (a replicated one was refused first): elementwise on this rank's rows,
+    the result placed as ``x`` is."""
+    placement = pointwise(analyzer, node, analyzer.tensor_args(node))
+    if placement != analyzer.place(first_arg(node)):
+        raise Refused(CODES.misaligned_operands, f"in-place `{op_name(node)}` would change where its tensor's "
+                                                 "rows are", node)
+    return placement
 
 
 # -- a custom autograd.Function that is pointwise both ways (BLOOM's GELU) --------------------------------------
@@ -361,7 +431,33 @@ def pointwise_autograd_function(analyzer, node):
 
 @rule("like_constructor", on_functions(torch.ones_like, torch.zeros_like, torch.full_like, torch.empty_like))
 def like_constructor(analyzer, node):
-    return analyzer.place(first_arg(node))  # a fresh tensor shaped like this rank's tokens
+    placement = analyzer.place(first_arg(node))
+    if isinstance(placement, GroupSizes):
+        return REPLICATE  # shaped as on one device; a constant, not this rank's counts
+    # a fresh tensor shaped like this rank's tokens (like row numbers: laid out as they are, holding no numbers)
+    return placement.order if isinstance(placement, RowIndex) else placement
+
+
+@rule("one_hot", on_functions(F.one_hot))
+def one_hot(analyzer, node):
+    return analyzer.place(first_arg(node))  # a trailing class dim per element
+
+
+@rule("gather_scatter", on_ops((torch.gather, torch.scatter, torch.scatter_add),
+                               ("gather", "scatter", "scatter_", "scatter_add", "scatter_add_")))
+def gather_scatter(analyzer, node):
+    """``gather/scatter(x, dim, index[, src])`` along another dim than the rows, every tensor operand placed
+    alike: each row alone (a router's grouped top-k)."""
+    x = first_arg(node)
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    tensors = analyzer.tensor_args(node)
+    places = {analyzer.place(t) for t in tensors}
+    if not isinstance(dim, int) or len(places) != 1 or len({val(t).dim() for t in tensors}) != 1:
+        raise Refused(CODES.misaligned_operands, f"`{op_name(node)}` with differently placed operands", node)
+    placement = places.pop()
+    if norm_dim(dim, val(x).dim()) == placement.dim:
+        raise Refused(CODES.mixes_positions, f"`{op_name(node)}` along the sequence dim", node)
+    return placement
 
 
 @rule("min_max", on_ops((torch.min, torch.max), ("min", "max")))
@@ -381,7 +477,7 @@ def min_max(analyzer, node):
     if dim == d:
         raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over the sequence dim", node)
     keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
-    out = Shard(d if keepdim or dim > d else d - 1)
+    out = at_dim(analyzer.place(x), d if keepdim or dim > d else d - 1)
     return TuplePlacement((out, out))
 
 
@@ -444,7 +540,7 @@ def reduction(analyzer, node):
     dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if d in dims:
         raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over the sequence dim", node)
-    return Shard(d if keepdim else d - sum(1 for i in dims if i < d))
+    return at_dim(analyzer.place(x), d if keepdim else d - sum(1 for i in dims if i < d))
 
 
 # -- matmul ------------------------------------------------------------------------------------------
@@ -465,23 +561,29 @@ def matmul(analyzer, node):
     if is_sharded(pa) and is_sharded(pb):
         out_a = n - va.dim() + pa.dim
         out_b = n - vb.dim() + pb.dim
-        if out_a != out_b or pa.dim >= va.dim() - 2:
+        if out_a != out_b or pa.dim >= va.dim() - 2 or at_dim(pa, out_a) != at_dim(pb, out_b):
             raise Refused(CODES.contracts_sequence,
                           "matmul of two sharded values along different dims (attention scores?)", node)
-        return Shard(out_a)
+        return at_dim(pa, out_a)
     if is_sharded(pa):
         out = n - va.dim() + pa.dim
         if pa.dim < va.dim() - 2 and vb.dim() > 2:
             aligned = out - (n - vb.dim())
-            if 0 <= aligned < vb.dim() - 2 and vb.shape[aligned] == analyzer.S:
+            if 0 <= aligned < vb.dim() - 2 and vb.shape[aligned] != 1:
+                if vb.shape[aligned] != analyzer.S or not isinstance(pa, Shard):
+                    raise Refused(CODES.misaligned_operands, f"replicated `{b.name}` does not line up with the "
+                                                             "sequence in a batched matmul", node)
                 analyzer.shard_input(node, b, aligned)
-        return Shard(out)
+        return at_dim(pa, out)
     out = n - 1 if pb.dim == vb.dim() - 1 else n - vb.dim() + pb.dim
     if pb.dim < vb.dim() - 2 and va.dim() > 2:
         aligned = out - (n - va.dim())
-        if 0 <= aligned < va.dim() - 2 and va.shape[aligned] == analyzer.S:
+        if 0 <= aligned < va.dim() - 2 and va.shape[aligned] != 1:
+            if va.shape[aligned] != analyzer.S or not isinstance(pb, Shard):
+                raise Refused(CODES.misaligned_operands, f"replicated `{a.name}` does not line up with the "
+                                                         "sequence in a batched matmul", node)
             analyzer.shard_input(node, a, aligned)
-    return Shard(out)
+    return at_dim(pb, out)
 
 
 # -- dim moves: transpose, permute, t, unsqueeze -----------------------------------------------------
@@ -490,44 +592,58 @@ def transpose(analyzer, node):
     x = first_arg(node)
     d = analyzer.place(x).dim
     a, b = (norm_dim(i, val(x).dim()) for i in node.args[1:3])
-    return Shard(b if d == a else a if d == b else d)
+    return at_dim(analyzer.place(x), b if d == a else a if d == b else d)
 
 
 @rule("permute", on_ops((torch.permute,), ("permute",)))
 def permute(analyzer, node):
     x, args = first_arg(node), node.args
     dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    return Shard([norm_dim(i, val(x).dim()) for i in dims].index(analyzer.place(x).dim))
+    return at_dim(analyzer.place(x), [norm_dim(i, val(x).dim()) for i in dims].index(analyzer.place(x).dim))
 
 
 @rule("t", on_methods("t"))
 def matrix_t(analyzer, node):
-    return Shard(1 - analyzer.place(first_arg(node)).dim)
+    placement = analyzer.place(first_arg(node))
+    return at_dim(placement, 1 - placement.dim)
 
 
 @rule("unsqueeze", on_ops((torch.unsqueeze,), ("unsqueeze",)))
 def unsqueeze(analyzer, node):
-    d = analyzer.place(first_arg(node)).dim
+    placement = analyzer.place(first_arg(node))
     k = norm_dim(node.args[1], val(node).dim())
-    return Shard(d + 1 if k <= d else d)
+    return at_dim(placement, placement.dim + 1 if k <= placement.dim else placement.dim)
 
 
 # -- reshapes ----------------------------------------------------------------------------------------
-def reshape_dim(analyzer, node, x, out_val) -> Shard | MergedRows:
-    """Where the sequence dim of ``x`` (sharded) lands in a reshape to ``out_val``'s shape: a dim of
-    extent S with the same elements before it, or batch dims merged into it, the sequence innermost."""
-    d = analyzer.place(x).dim
+def reshape_dim(analyzer, node, x, out_val) -> Shard | MergedRows | Permuted:
+    """Where the rows of ``x`` land in a reshape to ``out_val``'s shape.  In the flat (row-major) order a token
+    is a block of ``after`` elements (its slots and the trailing dims) repeated S times; the output dim whose
+    flat stride divides ``after`` and whose span covers the S blocks holds the sequence whole: the elements of
+    that dim before the sequence are merged batch rows (``outer``), the ones after it slots (``inner``).
+    Permuted rows (a rank-local order) may only move, never merge with other dims."""
+    placement = analyzer.place(x)
+    base = placement.rows if isinstance(placement, Permuted) else placement
+    outer, inner = factors(base)
     in_shape, out_shape = list(val(x).shape), list(out_val.shape)
-    prefix = prod(in_shape[:d])
-    for j in range(len(out_shape)):
-        if out_shape[j] == analyzer.S and prod(out_shape[:j]) == prefix:
-            return Shard(j)
-    # batch dims merged into the sequence dim, the sequence innermost: [B, S, H] -> [B * S, H]
-    for k in range(d):
-        outer = prod(in_shape[k:d])
-        for j in range(len(out_shape)):
-            if outer > 1 and out_shape[j] == outer * analyzer.S and prod(out_shape[:j]) == prod(in_shape[:k]):
-                return MergedRows(j, outer)
+    after = inner * prod(in_shape[base.dim + 1:])
+    before = prod(in_shape[:base.dim]) * outer
+    candidates = []
+    for j, n in enumerate(out_shape):
+        stride = prod(out_shape[j + 1:])
+        if after % stride or (stride * n) % (after * analyzer.S):
+            continue
+        new_outer, new_inner = stride * n // (after * analyzer.S), after // stride
+        # implied when S > 1; with S = 1 it picks the dims that really hold the rows among size-1 ones
+        if prod(out_shape[:j]) * new_outer == before:
+            candidates.append((j, new_outer, new_inner))
+    # S = 1 leaves several: the one that keeps the factors
+    candidates.sort(key=lambda c: (c[1], c[2]) != (outer, inner))
+    for j, new_outer, new_inner in candidates[:1]:
+        if not isinstance(placement, Permuted):
+            return rows(j, new_outer, new_inner)
+        if (new_outer, new_inner) == (outer, inner) and out_shape[j] == val(x).shape[base.dim]:
+            return Permuted(rows(j, outer, inner), placement.by)
     raise Refused(CODES.reshapes_sequence,
                   f"`{op_name(node)}` merges or splits the sequence dim ({in_shape} -> {out_shape})", node)
 
@@ -553,7 +669,8 @@ def refuse_dynamic_reshape(node):
 
 @rule("reshape", on_ops((torch.reshape, torch.flatten), ("view", "reshape", "flatten", "unflatten")))
 def reshape(analyzer, node):
-    """Keeps the sequence dim whole or merges batch dims into it; shape constants become local ones."""
+    """Keeps the sequence dim whole, merges batch dims or slots into it, or splits them out of merged rows;
+    shape constants become local ones."""
     x, v = first_arg(node), val(node)
     refuse_dynamic_reshape(node)
     out = reshape_dim(analyzer, node, x, v)
@@ -577,16 +694,22 @@ def repeat_interleave(analyzer, node):
     args, x = node.args, first_arg(node)
     placement = analyzer.place(x)
     dim = node.kwargs.get("dim", args[2] if len(args) > 2 else None)
-    if dim is None or norm_dim(dim, val(x).dim()) == placement.dim or isinstance(
-            args[1] if len(args) > 1 else None, fx.Node):
-        raise Refused(CODES.mixes_positions, "repeat_interleave along (or flattening) the sequence dim", node)
-    return placement
+    repeats = node.kwargs.get("repeats", args[1] if len(args) > 1 else None)
+    if dim is None or isinstance(repeats, fx.Node):
+        raise Refused(CODES.mixes_positions, "repeat_interleave flattening the sequence, or by tensor counts", node)
+    if norm_dim(dim, val(x).dim()) != placement.dim:
+        return placement
+    if not isinstance(repeats, int) or isinstance(placement, Permuted):
+        raise Refused(CODES.mixes_positions, "repeat_interleave along the sequence dim", node)
+    # each row (token, or token slot) repeated in place: k more slots per token (a mixture of experts' dispatch)
+    outer, inner = factors(placement)
+    return rows(placement.dim, outer, inner * repeats)
 
 
 @rule("broadcast_to", on_ops((torch.broadcast_to,), ("broadcast_to",)))
 def broadcast_to(analyzer, node):
     x, v = first_arg(node), val(node)
-    out = Shard(analyzer.place(x).dim + v.dim() - val(x).dim())
+    out = analyzer.place(x).shifted(v.dim() - val(x).dim())
     analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
     return out
 
@@ -594,11 +717,15 @@ def broadcast_to(analyzer, node):
 @rule("expand_repeat", on_methods("expand", "repeat"))
 def expand_or_repeat(analyzer, node):
     x, v, args = first_arg(node), val(node), node.args
-    out = Shard(analyzer.place(x).dim + v.dim() - val(x).dim())
+    out = analyzer.place(x).shifted(v.dim() - val(x).dim())
     if is_method(node, "repeat"):
         reps = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
         if reps[out.dim] != 1:
-            raise Refused(CODES.mixes_positions, "repeat along the sequence dim", node)
+            if isinstance(out, Permuted):
+                raise Refused(CODES.mixes_positions, "repeat along rows permuted by a sort", node)
+            # the whole block of rows again, tokens still in (batch, token, slot) order inside: more batch rows
+            outer, inner = factors(out)
+            return rows(out.dim, outer * reps[out.dim], inner)
     else:
         analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
     return out
@@ -621,7 +748,7 @@ def split(analyzer, node):
     dim = norm_dim(dim, val(x).dim())
     if dim == d:
         raise Refused(CODES.slices_sequence, f"`{op_name(node)}` along the sequence dim", node)
-    out = Shard(d - 1 if unbind and dim < d else d)
+    out = at_dim(analyzer.place(x), d - 1 if unbind and dim < d else d)
     return TuplePlacement((out,) * len(val(node)))
 
 
@@ -668,40 +795,19 @@ def refuse_merged_later_operand(analyzer, node):
                   node)
 
 
-def reshape_merged(analyzer, node, x, out_val) -> Shard | MergedRows:
-    """A reshape of a merged value: back to separate (batch..., sequence) dims, or still merged."""
-    m = analyzer.place(x)
-    in_shape, out_shape = list(val(x).shape), list(out_val.shape)
-    prefix = prod(in_shape[:m.dim])
-    for j in range(len(out_shape)):
-        if out_shape[j] == analyzer.S and prod(out_shape[:j]) == prefix * m.outer and any(
-                prod(out_shape[:k]) == prefix and prod(out_shape[k:j]) == m.outer for k in range(j + 1)):
-            return Shard(j)
-        if out_shape[j] == m.outer * analyzer.S and prod(out_shape[:j]) == prefix:
-            return MergedRows(j, m.outer)
-    raise Refused(CODES.reshapes_sequence,
-                  f"`{op_name(node)}` reshapes merged batch and sequence dims ({in_shape} -> {out_shape})", node)
-
-
-@rule("merged_reshape", on_ops((torch.reshape,), ("view", "reshape")))
-def reshape_merged_rows(analyzer, node):
-    x, v = first_arg(node), val(node)
-    refuse_dynamic_reshape(node)
-    out = reshape_merged(analyzer, node, x, v)
-    analyzer.plan.new_args[node] = ((x, tuple(analyzer.local_shape(v, out))), {})
-    return out
-
-
 # -- the tables, in the order the analyzer tries them -------------------------------------------------
 REPLICATED_RULES: tuple[Rule, ...] = (side_effect_free, embedding, positions_to_float)
 SHARDED_RULES: tuple[Rule, ...] = (
     side_effect_free, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
-    tuple_item, refuse_tuple_operand, indexing, pointwise_op, pointwise_autograd_function, like_constructor,
-    min_max, dropout, linear, norm, softmax, reduction, matmul,
+    tuple_item, refuse_tuple_operand, gather_rows, indexing, topk_sort, pointwise_op, pointwise_autograd_function,
+    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, matmul,
     transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
-    repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat,
+    repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat, pointwise_inplace,
 )
 MERGED_RULES: tuple[Rule, ...] = (
-    side_effect_free, cross_entropy, addmm_merged, refuse_merged_later_operand,
-    pointwise_op, pointwise_autograd_function, dropout, linear, norm, reshape_merged_rows,
+    side_effect_free, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item, refuse_tuple_operand,
+    gather_rows, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
+    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, matmul,
+    transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, repeat_interleave, broadcast_to,
+    expand_or_repeat, split, pointwise_inplace,
 )

@@ -115,6 +115,8 @@ class Case:
                                                  "qk_norm") if getattr(m, f))
                      + (f" window={m.window}" if m.window else "") + (f" cap={m.score_softcap}" if m.score_softcap
                                                                       else "")
+                     + (f" {m.mlp}" + (f"(k={m.moe_top_k})" if m.mlp.startswith("moe") else "")
+                        if m.mlp != "swiglu" else "")
                      + f" {m.logits_op}/{m.loss}")
         model += f" {self.precision}" if self.precision != "fp32" else ""
         i = self.inputs
@@ -201,8 +203,9 @@ def generate_model_spec(d) -> ModelSpec:
         alibi=attention in ("sdpa_float", "manual") and d.boolean(0.2), window=window,
         documents=masked and d.boolean(0.25), key_padding=masked and d.boolean(0.2),
         positions=d.choice(["rope", "none", "learned", "rope_partial", "rope_complex"]),
-        norm=d.choice(["rms", "layer", "none"]), mlp=d.choice(["swiglu", "none", "gelu", "relu2"]),
-        tied=d.boolean(0.3), head_bias=d.boolean(0.2),
+        norm=d.choice(["rms", "layer", "none"]),
+        mlp=d.choice(["swiglu", "none", "gelu", "relu2", "moe_batched", "moe_sorted", "moe_argsort"]),
+        moe_top_k=d.choice([1, 2, 3]), tied=d.boolean(0.3), head_bias=d.boolean(0.2),
         logits_op=d.choice(["none", "upcast", "scale", "div", "softcap", "scale_odd"]), loss=d.choice(LOSSES),
     )
 

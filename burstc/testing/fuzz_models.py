@@ -52,7 +52,11 @@ class ModelSpec:
     key_padding: bool = False         # hide keys where attention_mask == 0
     positions: str = "rope"           # "rope", "rope_partial", "rope_complex", "learned", "none"
     norm: str = "rms"                 # "rms", "layer", "none"
-    mlp: str = "swiglu"               # "swiglu", "gelu", "relu2", "none"
+    # "swiglu", "gelu", "relu2", "none"; mixtures of 4 experts routed top-k per token: "moe_batched" (each slot its
+    # expert's weights, bmm), "moe_sorted" (slots sorted by expert, gathered, un-permuted by a scatter of arange),
+    # "moe_argsort" (the same, un-permuted by argsort)
+    mlp: str = "swiglu"
+    moe_top_k: int = 2
     tied: bool = False
     head_bias: bool = False
     logits_op: str = "none"           # "none", "scale", "div", "softcap", "upcast", "scale_odd"
@@ -249,12 +253,44 @@ class FuzzMLP(nn.Module):
         return self.down(F.relu(self.up(x)).square())
 
 
+class FuzzMoE(nn.Module):
+    """A dropless mixture of 4 SwiGLU-free experts (SiLU MLPs), top-k routing with renormalized weights."""
+    EXPERTS = 4
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.kind, self.k, hidden = spec.mlp, spec.moe_top_k, 2 * spec.dim
+        self.router = nn.Linear(spec.dim, self.EXPERTS, bias=False)
+        self.up_EDF = nn.Parameter(torch.randn(self.EXPERTS, spec.dim, hidden) * spec.dim ** -0.5)
+        self.down_EFD = nn.Parameter(torch.randn(self.EXPERTS, hidden, spec.dim) * hidden ** -0.5)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        weights_TK, experts_TK = torch.topk(F.softmax(self.router(x_TD), dim=-1, dtype=torch.float32), self.k, dim=-1)
+        weights_TK = (weights_TK / weights_TK.sum(dim=-1, keepdim=True)).to(x_TD.dtype)
+        experts_N, weights_N = experts_TK.reshape(-1), weights_TK.reshape(-1)  # N = T * k token slots
+        if self.kind == "moe_batched":
+            slots_ND = x_TD.repeat_interleave(self.k, dim=0)
+        else:
+            experts_N, perm_N = torch.sort(experts_N)
+            slots_ND, weights_N = x_TD[perm_N // self.k], weights_N[perm_N]
+        hidden_NF = F.silu(torch.bmm(slots_ND.unsqueeze(1), self.up_EDF[experts_N]).squeeze(1))
+        out_ND = torch.bmm(hidden_NF.unsqueeze(1), self.down_EFD[experts_N]).squeeze(1) * weights_N.unsqueeze(-1)
+        if self.kind == "moe_sorted":
+            inverse_N = torch.empty_like(perm_N)
+            inverse_N[perm_N] = torch.arange(perm_N.shape[0], device=perm_N.device)
+            out_ND = out_ND[inverse_N]
+        elif self.kind == "moe_argsort":
+            out_ND = out_ND[perm_N.argsort()]
+        return out_ND.view(x_TD.shape[0], self.k, -1).sum(dim=1).view(x_BSD.shape)
+
+
 class FuzzBlock(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.attn_norm = _norm(spec.norm, spec.dim)
         self.attn = FuzzAttention(spec)
-        self.mlp = FuzzMLP(spec) if spec.mlp != "none" else None
+        self.mlp = None if spec.mlp == "none" else FuzzMoE(spec) if spec.mlp.startswith("moe") else FuzzMLP(spec)
         self.mlp_norm = _norm(spec.norm, spec.dim)
 
     def forward(self, h, rope, doc_ids, key_valid):

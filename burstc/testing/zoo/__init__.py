@@ -41,6 +41,8 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_default,
     hf_arch,
     hf_arch_checkpointed,
+    hf_moe,
+    hf_moe_with_aux_loss,
     hf_arch_variant,
     hf_arch_inputs,
     hf_arch_batch_inputs,

@@ -75,10 +75,25 @@ def hf_arch_variant(config_name: str, attn_implementation: str = "sdpa", **overr
     params = inspect.signature(cls.__init__).parameters
     kw = dict(_HF_SPECIAL.get(config_name) or {k: v for k, v in _HF_TINY.items() if k in params})
     config = cls(**{**kw, **overrides})
-    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(config, attr):
+    # every dropout off (BioGPT's hidden_dropout_prob, OPT's layerdrop, ...): training steps must be deterministic
+    for attr, value in list(vars(config).items()):
+        if ("dropout" in attr or "pdrop" in attr or attr == "layerdrop") and isinstance(value, float) and value:
             setattr(config, attr, 0.0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def hf_moe(config_name: str, experts: str = "grouped_mm"):
+    """A tiny HF mixture-of-experts model with the given experts implementation (``grouped_mm``: sort, grouped
+    matmul, un-permute, the default under ``torch.compile``; ``batched_mm``: one expert weight per token slot)."""
+    model = hf_arch(config_name)
+    model.set_experts_implementation(experts)
+    return model
+
+
+def hf_moe_with_aux_loss(config_name: str = "MixtralConfig"):
+    """An HF mixture of experts that adds its load-balancing loss to the LM loss (``output_router_logits``):
+    ``loss += coef * aux_loss``, in place."""
+    return hf_arch_variant(config_name, "sdpa", output_router_logits=True, router_aux_loss_coef=0.02)
 
 
 def hf_arch_checkpointed(config_name: str):
