@@ -60,6 +60,8 @@ MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_ca
 MODEL_CE = ["tests/test_sharded_models.py", "-k", "test_unfused_cross_entropy_is_sharded or per_token_losses"]
 MOE_RULES = ["tests/test_moe_dispatch.py"]
 MOE_MODELS = ["tests/test_hf_architectures.py", "-k", "mixture_of_experts_dispatch and mixtral"]
+LOAD_BALANCE = ["tests/test_hf_architectures.py", "-k", "load_balancing"]
+MERGED_OUTPUTS = ["tests/test_sharded_models.py", "-k", "merged_rows_outputs"]
 MODEL_GATHER = ["tests/test_sharded_models.py", "-k", "per_token_losses or kept_logits"]
 MODEL_BIDIRECTIONAL = ["tests/test_sharded_models.py", "-k", "test_bidirectional_model_matches_when_divisible"]
 UNPADDED = ["tests/test_unpadded_mask.py"]
@@ -304,6 +306,22 @@ MUTANTS = [
        "            return rows(j, new_outer, new_inner)",
        "            return rows(j, new_outer, 1)",
        "a reshape that merges each token's slots into its row forgets them", MOE_RULES, MOE_MODELS),
+    _m("sum_over_ranks_not_reduced", "passes/shard.py",
+       "    for node in plan.sums_over_ranks:",
+       "    for node in []:",
+       "a sum over every token left as this rank's part (no all-reduce)", LOAD_BALANCE),
+    _m("sum_over_ranks_counts_pads", "burstc/sharding/rules.py",
+       "    if analyzer.padded_len != analyzer.S:",
+       "    if False:",
+       "a sum over every token counts the rows the layout pads in", RULES, LOAD_BALANCE),
+    _m("merged_output_split_wrong", "passes/shard.py",
+       "shape[:d] + [where.outer, analyzer.s, where.inner] + shape[d + 1:])))",
+       "shape[:d] + [analyzer.s, where.outer, where.inner] + shape[d + 1:])))",
+       "merged (batch, token) output rows split token-major before the gather", MERGED_OUTPUTS),
+    _m("merged_input_split_wrong", "passes/shard.py",
+       "(inp, tuple(shape[:d] + [outer, analyzer.S, inner] + shape[d + 1:])))",
+       "(inp, tuple(shape[:d] + [analyzer.S, outer, inner] + shape[d + 1:])))",
+       "a replicated flat mask split token-major before it is sharded like merged rows", LOAD_BALANCE),
     # --- planner --------------------------------------------------------------------------------------------
     _m("planner_choice_inverted", "burstc/planner.py",
        "chosen = \"burst\" if per_call[\"burst\"] < per_call[\"kv_ring\"] else \"kv_ring\"",

@@ -47,7 +47,7 @@ from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_plac
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
-from burstc.sharding.placements import RowIndex, TuplePlacement
+from burstc.sharding.placements import MergedRows, RowIndex, TuplePlacement
 
 KIND = "shard"
 _Analyzer = Analyzer  # the old name, which tests patch
@@ -162,13 +162,27 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
     order = {node: i for i, node in enumerate(graph.nodes)}
 
     def sharded(inp, dim, pad_value=0.0):
+        """``inp`` sharded along ``dim``; ``dim = (d, outer, inner)``: along merged (batch, token, slot) rows in
+        dim d (split into [outer, S, inner], sharded, merged back)."""
         key = (inp, dim, pad_value)
         if key not in shard_cache:
             # right after the value, or after the chunk owners when the value (a placeholder) comes first
             anchor = owners[0] if owners and order.get(inp, -1) < order[owners[0]] else inp
+            d, outer, inner = dim if isinstance(dim, tuple) else (dim, None, None)
+            source = inp
+            if outer is not None:
+                shape = list(val(inp).shape)
+                with graph.inserting_after(anchor):
+                    source = anchor = graph.call_method(
+                        "reshape", (inp, tuple(shape[:d] + [outer, analyzer.S, inner] + shape[d + 1:])))
+                d += 1
             with graph.inserting_after(anchor):
                 shard_cache[key] = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                                       (inp, dim, group_name, layout, padded_len, pad_value, *owners))
+                                                       (source, d, group_name, layout, padded_len, pad_value, *owners))
+            if outer is not None:
+                local = shape[:d - 1] + [outer * analyzer.s * inner] + shape[d:]
+                with graph.inserting_after(shard_cache[key]):
+                    shard_cache[key] = graph.call_method("reshape", (shard_cache[key], tuple(local)))
         return shard_cache[key]
 
     for node, args_kwargs in plan.new_args.items():
@@ -261,12 +275,26 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
                 total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
         node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
+    for node in plan.sums_over_ranks:  # this rank's part of a sum over every token: summed over the ranks
+        with graph.inserting_after(node):
+            total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
+        node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
+
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     gathered = []
     for index, out in plan.outputs_to_gather:
+        where = analyzer.place(out)
         with graph.inserting_before(output_node):
-            full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                       (out, analyzer.place(out).dim, group_name, layout, analyzer.S, *owners))
+            if isinstance(where, MergedRows):  # [.., outer * s * inner, ..] -> [.., outer, s, inner, ..], gathered
+                d, shape = where.dim, list(val(out).shape)
+                split = graph.call_method("reshape", (out, tuple(
+                    shape[:d] + [where.outer, analyzer.s, where.inner] + shape[d + 1:])))
+                full = graph.call_function(torch.ops.burstc.gather_seq.default,
+                                           (split, d + 1, group_name, layout, analyzer.S, *owners))
+                full = graph.call_method("reshape", (full, tuple(shape)))
+            else:
+                full = graph.call_function(torch.ops.burstc.gather_seq.default,
+                                           (out, where.dim, group_name, layout, analyzer.S, *owners))
         output_node.args = (tuple(full if (i == index) else o for i, o in enumerate(output_node.args[0])),)
         gathered.append(out.name)
 
@@ -386,6 +414,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "local_tokens": padded_len // context.world_size, "attention_ops": len(plan.attention),
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None, "expert_dispatches": _rank_local_sorts(plan) or None,
+        "sums_over_ranks": len(plan.sums_over_ranks) or None,
         **layout_details,
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,

@@ -76,16 +76,26 @@ def test_mixture_of_experts_dispatch_is_sharded(workers, config_name, experts, w
     assert shard_details["layout"] == layout and "attention" in [k for k, _ in results[0]["rewrites"]]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_load_balancing_loss_added_in_place_is_exact(workers, world_size):
-    # Mixtral's `loss += coef * aux_loss` writes into the fused loss's output in place: the op saved that output
-    # for its backward, which then failed (BackendCompilerFailed); the aux loss sums over every token, so the
-    # graph runs replicated, with the fused loss
-    results = assert_equivalent(zoo.hf_moe_with_aux_loss, zoo.hf_arch_inputs, zoo.hf_loss_no_cache,
-                                world_size=world_size, group=workers.get(world_size), backend="aot_eager",
-                                expect_sharded=False, timeout=300)
+@pytest.mark.parametrize("world_size, inputs, loss, sharded", [
+    (1, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, False),
+    (2, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, True),
+    (2, zoo.hf_arch_batch_inputs, zoo.hf_loss_with_padding, True),  # mask-weighted: scatter_add_ into zeros
+    (3, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, False),  # 32 tokens on 3 ranks: the layout's pads would count
+], ids=["one_device", "plain", "padded", "layout_pads"])
+def test_load_balancing_loss(workers, world_size, inputs, loss, sharded):
+    # Mixtral's `loss += coef * aux_loss` writes into the fused loss's output in place (the op saved that output
+    # for its backward, which then failed: BackendCompilerFailed).  The aux loss's expert counts and summed router
+    # probabilities cover every token: each rank sums its own, an all-reduce (identity backward) right after
+    results = assert_equivalent(zoo.hf_moe_with_aux_loss, inputs, loss, world_size=world_size,
+                                group=workers.get(world_size), backend="aot_eager", expect_sharded=sharded,
+                                timeout=300)
     kinds = [k for k, _ in results[0]["rewrites"]]
-    assert "lm_head_loss" in kinds and "shard" not in kinds
+    assert "lm_head_loss" in kinds and ("shard" in kinds) == sharded
+    if sharded:
+        layers = 2  # per layer: the expert counts and the summed probabilities
+        assert results[0]["shard_details"]["sums_over_ranks"] == 2 * layers
+    elif world_size > 1:
+        assert any("the pads would count" in reason for kind, reason in results[0]["skipped"] if kind == "shard")
 
 
 @pytest.mark.parametrize("config_name", ["Qwen2Config", "GPT2Config", "Gemma3TextConfig", "GPTNeoXConfig"])

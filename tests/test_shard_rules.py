@@ -247,8 +247,30 @@ def test_softmax_over_hidden_passes_and_over_the_sequence_is_refused():
 def test_reduction_over_hidden_passes_and_over_the_sequence_is_refused():
     analyzer = analyze(lambda ids, t: embed(ids, t).mean(dim=-1), tokens(), TABLE)
     assert place_of(analyzer, "mean") == Shard(1)
-    why = refusal(lambda ids, t: embed(ids, t).sum(dim=1), tokens(), TABLE)
-    assert why.code == CODES.reduces_sequence and why.reason == "`.sum` reduces over the sequence dim"
+    why = refusal(lambda ids, t: embed(ids, t).mean(dim=1), tokens(), TABLE)
+    assert why.code == CODES.reduces_sequence and why.reason == "`.mean` reduces over the sequence dim"
+    why = refusal(lambda ids, t: embed(ids, t).amax(), tokens(), TABLE)
+    assert why.code == CODES.reduces_sequence and "all dims" in why.reason
+
+
+def test_a_sum_over_the_sequence_is_summed_over_the_ranks():
+    # each rank sums its own tokens; the rewrite all-reduces right after (identity backward), so it is replicated
+    for fn in (lambda ids, t: embed(ids, t).sum(dim=1) * 2, lambda ids, t: embed(ids, t).float().sum() * 2,
+               lambda ids, t: torch.histc(embed(ids, t).argmax(-1).float(), bins=4, min=0, max=3) * 2):
+        analyzer = analyze(fn, tokens(), TABLE)
+        (summed,) = analyzer.plan.sums_over_ranks
+        assert analyzer.place(summed) == REPLICATE and place_of(analyzer, operator.mul) == REPLICATE
+    # counts over the data's own range would be each rank's own range
+    why = refusal(lambda ids, t: torch.histc(embed(ids, t), bins=4), tokens(), TABLE)
+    assert why.code == CODES.reduces_sequence and "own range" in why.reason
+
+
+def test_a_sum_over_the_sequence_is_refused_when_the_layout_pads_it():
+    gm = capture_graph(lambda ids, t: embed(ids, t).sum(dim=1), tokens(), TABLE)
+    analyzer = Analyzer(gm, S, P, BurstConfig(), padded_len=S + P)  # 8 tokens padded to 12 on 4 ranks
+    with pytest.raises(Refused) as caught:
+        analyzer.run()
+    assert caught.value.code == CODES.reduces_sequence and "the pads would count" in caught.value.reason
 
 
 def test_matmul_with_a_weight_keeps_the_rows_and_contracting_over_the_sequence_is_refused():

@@ -198,6 +198,38 @@ def test_kept_logits_are_gathered_full_and_differentiable(workers):
         assert logits_err < 1e-5 and loss_err < 1e-5 and grad_err < 1e-4, (logits_err, loss_err, grad_err)
 
 
+def _router_logits(rank, world_size):
+    """Mixtral with its load-balancing loss at batch 2: the router logits it returns are [B * S, experts], merged
+    (batch, token) rows, gathered whole; a loss on them sends each rank its own rows' gradient."""
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    model = zoo.hf_moe_with_aux_loss()
+    ids = zoo.hf_arch_batch_inputs()
+
+    def step(m):
+        out = m(input_ids=ids, labels=ids, use_cache=False)
+        (out.loss + sum(r.float().pow(2).mean() for r in out.router_logits)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        return out, grads
+
+    ref, ref_grads = step(model)
+    cmodel = burstc.compile(model, init_device_mesh("cpu", (world_size,)), backend="aot_eager")
+    out, grads = step(cmodel)
+    worst = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-6)) for n, g in ref_grads.items())
+    router_err = max(float((r - e).abs().max()) for r, e in zip(out.router_logits, ref.router_logits))
+    shard = [r.details.get("gathered_outputs") for r in burstc.report(cmodel).rewrites if r.kind == "shard"]
+    return router_err, float((out.aux_loss - ref.aux_loss).abs()), worst, shard
+
+
+def test_merged_rows_outputs_are_gathered_full_and_differentiable(workers):
+    for router_err, aux_err, grad_err, gathered in workers.get(2).run(_router_logits):
+        assert gathered and len(gathered[0]) == 2, gathered  # one [B * S, experts] output per layer
+        assert router_err < 1e-5 and aux_err < 1e-6 and grad_err < 1e-4, (router_err, aux_err, grad_err)
+
+
 def _evaluation_logits(rank, world_size):
     """HF Llama evaluated under no_grad on the mesh: the default keeps the logits (gathered, full)."""
     import burstc

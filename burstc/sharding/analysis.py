@@ -29,6 +29,9 @@ class Plan:
     losses: list = field(default_factory=list)           # fused loss nodes and plain cross_entropy nodes
     merged_rows: dict = field(default_factory=dict)      # plain cross_entropy node -> batch rows merged in
     outputs_to_gather: list = field(default_factory=list)
+    # sums over every token (a load-balancing loss's counts and mean probabilities): this rank's part, summed over
+    # the ranks right after (forward all-reduce, identity backward: each rank's tokens get their own gradient)
+    sums_over_ranks: list = field(default_factory=list)
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int:
@@ -70,7 +73,8 @@ class Analyzer:
         return self.plan.placement.get(a, REPLICATE) if isinstance(a, fx.Node) else REPLICATE
 
     def shard_input(self, node, inp, dim):
-        """Have the rewrite shard replicated ``inp`` along ``dim`` where ``node`` reads it."""
+        """Have the rewrite shard replicated ``inp`` along ``dim`` where ``node`` reads it; ``dim = (d, outer,
+        inner)``: ``inp``'s dim d holds merged (batch, token, slot) rows (an HF mask flattened with the tokens)."""
         if inp in self.mutated:
             # shard_seq copies the value where it is made, before the write
             raise Refused(CODES.inplace_write,
@@ -154,7 +158,7 @@ class Analyzer:
         """A replicated value that needs gradients combined with the (all-reduced) loss, e.g. a
         regularizer ``loss + c * w.pow(2).sum()``: every rank would add its full gradient and the
         parameter-gradient all-reduce would count it P times.  Refuse."""
-        if node in self.plan.losses:
+        if node in self.plan.losses or node in self.plan.sums_over_ranks:
             self.loss_derived.add(node)
             return
         if not any(a in self.loss_derived for a in node.all_input_nodes):
@@ -173,13 +177,10 @@ class Analyzer:
             if not isinstance(out, fx.Node):
                 continue
             p = self.place(out)
-            if isinstance(p, MergedRows):
-                self.output_problem = Refused(CODES.merged_rows, f"output `{out.name}` has merged batch and "
-                                                                 "sequence rows (not gathered yet)", out)
-            elif isinstance(p, DISPATCH_PLACEMENTS):
+            if isinstance(p, DISPATCH_PLACEMENTS):
                 self.output_problem = Refused(CODES.unsupported_op, f"output `{out.name}` is in this rank's own "
                                                                     f"order or numbering ({p})", out)
-            elif isinstance(p, Shard):
+            elif isinstance(p, (Shard, MergedRows)):
                 self.plan.outputs_to_gather.append((i, out))
             elif isinstance(val(out), torch.Tensor) and val(out).requires_grad and not self._depends_on_loss(out):
                 self.output_problem = Refused(CODES.replicated_gradients,
@@ -194,7 +195,7 @@ class Analyzer:
             if n in seen:
                 continue
             seen.add(n)
-            if n in self.plan.losses:
+            if n in self.plan.losses or n in self.plan.sums_over_ranks:
                 return True
             stack.extend(n.all_input_nodes)
         return False

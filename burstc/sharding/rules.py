@@ -60,7 +60,7 @@ POINTWISE_METHODS = {
     "__rtruediv__", "bool", "int", "long",
 }
 UNARY_FIRST_ARG_METHODS = {"to", "type", "type_as"}  # other args are dtype/device sources
-REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod"}
+REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "logsumexp", "prod", "argmax", "argmin"}
 NO_TENSOR_SIDE_EFFECT = {"_log_api_usage_once"}
 
 
@@ -376,6 +376,9 @@ def pointwise(analyzer, node, operands) -> Placement:
         aligned = out.dim - (n - k)
         if 0 <= aligned < k and val(a).shape[aligned] == analyzer.S and isinstance(out, Shard):
             analyzer.shard_input(node, a, aligned)
+        elif 0 <= aligned < k and isinstance(out, MergedRows) \
+                and val(a).shape[aligned] == out.outer * analyzer.S * out.inner:
+            analyzer.shard_input(node, a, (aligned, out.outer, out.inner))  # e.g. HF's flat attention mask
         elif 0 <= aligned < k and val(a).shape[aligned] != 1:
             raise Refused(CODES.misaligned_operands,
                           f"replicated operand `{a.name}` does not line up with the sequence", node)
@@ -533,14 +536,68 @@ def reduction(analyzer, node):
     x = first_arg(node)
     dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
     keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    d = analyzer.place(x).dim
+    if dims is not None:
+        dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    if (dims is None or d in dims) and op_name(node).lstrip(".") == "sum":
+        return sum_over_ranks(analyzer, node, "a sum over the sequence")
     if dims is None:
         raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over all dims, including the sequence",
                       node)
-    d = analyzer.place(x).dim
-    dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if d in dims:
         raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over the sequence dim", node)
     return at_dim(analyzer.place(x), d if keepdim else d - sum(1 for i in dims if i < d))
+
+
+def sum_over_ranks(analyzer, node, what: str):
+    """A sum over every token (with its other dims, or of counts): this rank's part now, summed over the ranks by
+    the rewrite right after the node, so the value is replicated.  Rows the layout pads in would be counted too:
+    refused when it pads."""
+    if analyzer.padded_len != analyzer.S:
+        raise Refused(CODES.reduces_sequence, f"{what} (`{op_name(node)}`) while the layout pads the sequence "
+                                              f"({analyzer.S} -> {analyzer.padded_len} tokens: the pads would count)",
+                      node)
+    analyzer.plan.sums_over_ranks.append(node)
+    return REPLICATE
+
+
+def _adds_rows_into_zeros(analyzer, node) -> bool:
+    if not (is_method(node, "scatter_add_", "scatter_add") or is_function(node, torch.scatter_add)):
+        return False
+    dst = first_arg(node)
+    return is_function(dst, torch.zeros, torch.zeros_like) and not is_sharded(analyzer.place(dst)) and (
+        len(dst.users) == 1 or not is_mutating(node))
+
+
+@rule("sums_by_group", _adds_rows_into_zeros)
+def sums_by_group(analyzer, node):
+    """``zeros(n).scatter_add_(0, index, src)`` with an index per token (row): per-group sums over every token
+    (HF's load-balancing counts under a padding mask): this rank's part, summed over the ranks.  A replicated
+    ``src`` laid out as the rows (the flat mask) is sharded like them."""
+    args = dict(zip(("self", "dim", "index", "src"), node.args), **node.kwargs)
+    index, src, dim = args.get("index"), args.get("src"), args.get("dim")
+    where = analyzer.place(index)
+    if not isinstance(where, (Shard, MergedRows)) or val(index).dim() != 1 or norm_dim(dim, 1) != 0 \
+            or not isinstance(src, fx.Node) or val(src).shape != val(index).shape:
+        raise Refused(CODES.unsupported_op, f"`{op_name(node)}` into zeros with an index that is not one per token",
+                      node)
+    if not is_sharded(analyzer.place(src)):
+        outer, inner = factors(where)
+        analyzer.shard_input(node, src, 0 if isinstance(where, Shard) else (0, outer, inner))
+    elif analyzer.place(src) != where:
+        raise Refused(CODES.misaligned_operands, f"`{op_name(node)}` with values placed unlike its index", node)
+    return sum_over_ranks(analyzer, node, "per-group sums over the sequence")
+
+
+@rule("histc_of_rows", lambda analyzer, node: is_function(node, torch.histc))
+def histc_of_rows(analyzer, node):
+    """``histc`` of token values (a router's expert ids): this rank's counts, summed over the ranks.  A range
+    taken from the data (``min == max``) would be each rank's own: refused."""
+    lo, hi = (dict(zip(("bins", "min", "max"), node.args[1:4]), **node.kwargs).get(k, 0) for k in ("min", "max"))
+    if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)) or not lo < hi:
+        raise Refused(CODES.reduces_sequence, f"`histc` of token values over the data's own range [{lo}, {hi}]",
+                      node)
+    return sum_over_ranks(analyzer, node, "counts over the sequence")
 
 
 # -- matmul ------------------------------------------------------------------------------------------
@@ -798,16 +855,16 @@ def refuse_merged_later_operand(analyzer, node):
 # -- the tables, in the order the analyzer tries them -------------------------------------------------
 REPLICATED_RULES: tuple[Rule, ...] = (side_effect_free, embedding, positions_to_float)
 SHARDED_RULES: tuple[Rule, ...] = (
-    side_effect_free, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
+    side_effect_free, sums_by_group, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
     tuple_item, refuse_tuple_operand, gather_rows, indexing, topk_sort, pointwise_op, pointwise_autograd_function,
-    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, matmul,
-    transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
+    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, histc_of_rows,
+    matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
     repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat, pointwise_inplace,
 )
 MERGED_RULES: tuple[Rule, ...] = (
-    side_effect_free, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item, refuse_tuple_operand,
+    side_effect_free, sums_by_group, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item, refuse_tuple_operand,
     gather_rows, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
-    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, matmul,
-    transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, repeat_interleave, broadcast_to,
+    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, histc_of_rows,
+    matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, repeat_interleave, broadcast_to,
     expand_or_repeat, split, pointwise_inplace,
 )

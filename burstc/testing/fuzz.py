@@ -78,6 +78,9 @@ _HF_MASK_VARIANTS = {
     "Qwen2Config": lambda w: (("sliding_window", w), ("use_sliding_window", True), ("max_window_layers", 0)),
     "Gemma3TextConfig": lambda w: (("sliding_window", w), ("layer_types", ("sliding_attention", "full_attention"))),
     "FalconConfig": lambda w: (("alibi", True), ("new_decoder_architecture", False), ("num_kv_heads", 4)),
+    # not a mask: a mixture of experts' load-balancing loss added to the LM loss (sums over every token)
+    **{name: lambda w: (("output_router_logits", True), ("router_aux_loss_coef", 0.02)) for name in (
+        "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "FlexOlmoConfig")},
 }
 _NO_SDPA = {"Gemma2Config"}
 LAYOUTS = ("zigzag", "contiguous", "striped")  # what the options draw from (``--layouts``)
