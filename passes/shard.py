@@ -200,13 +200,17 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
         call = attention_call(node, match)
         q, k, v = call.query, call.key, call.value
         B, Hq, _, D = val(q).shape
-        Hkv = val(k).shape[1]
+        Hkv, D_v = val(k).shape[1], val(v).shape[-1]
         scale = call.scale if call.scale is not None else D ** -0.5
         mask = _mask_of(node, match)
         # runtime terms hide more: the static part's work bounds it, and its rows are what travel
         balance = predicted_work(static_layout, mask.static_part, analyzer.padded_len, analyzer.P)
+        # the ring's blocks take one head width: the narrower side is zero-padded to the wider (DeepSeek's latent
+        # attention: q/k 192 wide, v 128): zeros add nothing to q.k and give zero output columns, sliced away
+        D_ring = max(D, D_v)
         ring_groups, plan_name, choice, chosen, ring_details = _ring_and_plan(
-            config, context, group_name, static_layout, mask.static_part, analyzer.padded_len, B, Hq, Hkv, D, val(q))
+            config, context, group_name, static_layout, mask.static_part, analyzer.padded_len, B, Hq, Hkv, D_ring,
+            val(q))
         # the attention IR's mask is what the op executes; a mask SDPA kept (a window, ALiBi) or a manual
         # attention's insides (a soft-cap) become dead with the node
         assert mask.ring_supported, mask
@@ -216,10 +220,16 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             # run unsharded: _call_checks)
             hidden_rows = match.hidden_rows if match is not None else "zero"
             uniform_keys = analyzer.S if hidden_rows in ("uniform", "uniform_replaced") else 0
+            if D_v < D:
+                v = graph.call_function(F.pad, (v, (0, D - D_v)))
+            elif D < D_v:
+                q, k = (graph.call_function(F.pad, (t, (0, D_v - D))) for t in (q, k))
             ring = graph.call_function(torch.ops.burstc.ring_attention_forward.default,
                                        (q, k, v, ring_groups, layout, mask.encode(), float(scale), plan_name,
                                         doc_ids, key_valid, uniform_keys, hidden_rows == "uniform", *owners))
             out = graph.call_function(operator.getitem, (ring, 0))
+            if D_v < D:
+                out = graph.call_function(operator.getitem, (out, (Ellipsis, slice(0, D_v))))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
         graph.erase_node(node)
@@ -229,7 +239,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             "plan": plan_name, "layout": layout, "causal": mask.term(Causal) is not None, "world_size": analyzer.P,
             # a per-call layout: the compile-time predictions are its static stand-in's (an upper bound)
             "predicted_for_layout": static_layout if static_layout != layout else None,
-            "heads": f"{Hq}q/{Hkv}kv", "head_dim": D, "local_tokens": analyzer.s,
+            "heads": f"{Hq}q/{Hkv}kv", "head_dim": D if D == D_v else f"{D}qk/{D_v}v (ring {D_ring})",
+            "local_tokens": analyzer.s,
             "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
             "predicted_bytes": chosen.sent,

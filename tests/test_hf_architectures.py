@@ -26,9 +26,13 @@ SHARDED = [
     # rank's own tokens; Llama-4's every-expert bmm over repeated rows
     "MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig", "OlmoeConfig", "GraniteMoeConfig", "FlexOlmoConfig",
     "Glm4MoeConfig", "Llama4TextConfig",
+    "DeepseekV3Config",  # latent attention (values narrower than queries: zero-padded in the ring) + experts
+    "PhimoeConfig",  # sparsemixer routing: expert ids from max(dim), concatenated
 ]
 REFUSED = [
     "MiniMaxConfig",  # lightning (linear) attention layers: a running sum over the sequence
+    "GptOssConfig",  # eager attention with sinks (a per-head logit in the softmax): not recognized as attention yet
+    "JambaConfig",  # Mamba layers (a convolution over the sequence)
     "FalconH1Config", "Qwen3NextConfig",  # convolutions over the sequence (Mamba-style / linear attention)
 ]
 ARCHITECTURES = {**{name: True for name in SHARDED}, **{name: False for name in REFUSED}}

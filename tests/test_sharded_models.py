@@ -87,6 +87,17 @@ def test_inductor(workers):
                       group=workers.get(2), backend="inductor", timeout=900)
 
 
+@pytest.mark.parametrize("model_fn, head_dim", [(zoo.narrow_values, "12qk/8v (ring 12)"),
+                                                (zoo.wide_values, "4qk/8v (ring 8)")], ids=["narrow_v", "wide_v"])
+def test_values_narrower_or_wider_than_queries(workers, model_fn, head_dim):
+    # DeepSeek's latent attention gives values another width than queries/keys: the ring pads the narrower side
+    # with zeros (nothing added to q.k, zero output columns) and slices the output back
+    results = assert_equivalent(model_fn, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", layout="zigzag")
+    assert "shard" in [k for k, _ in results[0]["rewrites"]]
+    assert head_dim in results[0]["report"], results[0]["report"]
+
+
 def test_position_mixing_model_is_refused_and_still_exact(workers):
     results = assert_equivalent(zoo.mean_pooled, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
                                 group=workers.get(2), backend="aot_eager", expect_sharded=False)

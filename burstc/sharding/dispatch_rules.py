@@ -58,16 +58,19 @@ def _through_conversions(node):
 
 
 def _indices_output(node) -> bool:
-    """``node`` (through reshapes and conversions) is the indices a ``topk``/``sort``/``argmax`` returned:
-    non-negative integers."""
+    """``node`` (through reshapes, conversions and concatenations) is the indices a ``topk``/``sort``/``argmax``/
+    ``max(dim)`` returned: non-negative integers."""
     while isinstance(node, fx.Node):
         if node.op == "call_method" and node.target in _KEY_CONVERSIONS | {"reshape", "view", "flatten"}:
             node = node.args[0]
         elif is_function(node, torch.reshape, torch.flatten):
             node = node.args[0]
         elif is_function(node, operator.getitem) and node.args[1] == 1 and isinstance(node.args[0], fx.Node) and (
-                R.on_ops((torch.topk, torch.sort), ("topk", "sort"))(None, node.args[0])):
-            return True
+                R.on_ops((torch.topk, torch.sort, torch.max, torch.min), ("topk", "sort", "max", "min"))(
+                    None, node.args[0])):
+            return True  # (values, indices) of topk / sort / max(dim) / min(dim)
+        elif is_function(node, torch.cat, torch.concat, torch.stack) and node.args[0]:
+            return all(_indices_output(part) for part in node.args[0])  # several routers' picks side by side
         else:
             return R.on_ops((torch.argmax, torch.argsort), ("argmax", "argsort"))(None, node)
     return False

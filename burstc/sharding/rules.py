@@ -441,6 +441,22 @@ def like_constructor(analyzer, node):
     return placement.order if isinstance(placement, RowIndex) else placement
 
 
+@rule("new_constructor", on_methods("new_empty", "new_zeros", "new_ones", "new_full"))
+def new_constructor(analyzer, node):
+    """``x.new_empty(*shape)`` shaped like ``x`` up to and including its rows (DeepSeek's MLA builds its keys so):
+    a fresh tensor of this rank's rows; the shape constants become local ones."""
+    x, v = first_arg(node), val(node)
+    placement = analyzer.place(x)
+    d = placement.dim
+    if isinstance(placement, Permuted) or v.dim() <= d or tuple(v.shape[:d + 1]) != tuple(val(x).shape[:d + 1]) \
+            or any(isinstance(a, fx.Node) for a in node.args[1:]):
+        raise Refused(CODES.unsupported_op, f"`{op_name(node)}` not shaped like its tensor's rows", node)
+    local = tuple(analyzer.local_shape(v, placement))
+    fill = (node.args[-1],) if is_method(node, "new_full") else ()
+    analyzer.plan.new_args[node] = ((x, local) + fill, dict(node.kwargs))
+    return placement
+
+
 @rule("one_hot", on_functions(F.one_hot))
 def one_hot(analyzer, node):
     return analyzer.place(first_arg(node))  # a trailing class dim per element
@@ -809,7 +825,7 @@ def split(analyzer, node):
     return TuplePlacement((out,) * len(val(node)))
 
 
-@rule("cat", on_functions(torch.cat, torch.stack))
+@rule("cat", on_functions(torch.cat, torch.concat, torch.concatenate, torch.stack))
 def cat(analyzer, node):
     """Along another dim: replicated parts with the full S are sharded alike; along the sequence: refused."""
     tensors = list(node.args[0])
@@ -820,7 +836,7 @@ def cat(analyzer, node):
     if len(placements) != 1:
         raise Refused(CODES.misaligned_operands, "cat of values sharded along different dims", node)
     d = placements.pop().dim
-    if node.target is torch.cat and norm_dim(dim, v.dim()) == d:
+    if node.target is not torch.stack and norm_dim(dim, v.dim()) == d:
         if len(nonempty) == 1:
             return Shard(d)  # cat with empty tensors only (HF's cache init): pass-through
         raise Refused(CODES.cat_sequence, "cat along the sequence dim", node)
@@ -857,8 +873,8 @@ REPLICATED_RULES: tuple[Rule, ...] = (side_effect_free, embedding, positions_to_
 SHARDED_RULES: tuple[Rule, ...] = (
     side_effect_free, sums_by_group, refuse_inplace_write, fused_loss, cross_entropy, attention, embedding,
     tuple_item, refuse_tuple_operand, gather_rows, indexing, topk_sort, pointwise_op, pointwise_autograd_function,
-    like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, histc_of_rows,
-    matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
+    like_constructor, new_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction,
+    histc_of_rows, matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, addmm,
     repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat, pointwise_inplace,
 )
 MERGED_RULES: tuple[Rule, ...] = (

@@ -71,6 +71,8 @@ from burstc.testing.zoo.handwritten import (  # noqa: F401
     PositionwiseMinMax,
     QueryKeyPadded,
     query_key_padded,
+    narrow_values,
+    wide_values,
     DocumentIdsMasked,
     document_ids_masked,
     document_ids_inputs,

@@ -123,6 +123,37 @@ class PositionwiseMinMax(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
 
 
+class UnequalHeadWidths(torch.nn.Module):
+    """Causal SDPA whose values are narrower (DeepSeek's latent attention: q/k 12 wide, v 8) or wider than its
+    queries and keys: the ring pads the narrower side with zeros and slices the output back."""
+
+    def __init__(self, qk_dim: int, v_dim: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qk_dim, self.v_dim = qk_dim, v_dim
+        self.emb = torch.nn.Embedding(97, 16)
+        self.qk = torch.nn.Linear(16, 2 * 2 * qk_dim)
+        self.v = torch.nn.Linear(16, 2 * v_dim)
+        self.out = torch.nn.Linear(2 * v_dim, 16)
+        self.head = torch.nn.Linear(16, 97)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        q, k = self.qk(h).view(*ids.shape, 2, 2, self.qk_dim).permute(2, 0, 3, 1, 4)
+        v = self.v(h).view(*ids.shape, 2, self.v_dim).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.out(a.transpose(1, 2).reshape(*ids.shape, 2 * self.v_dim))
+        return torch.nn.functional.cross_entropy(self.head(h).view(-1, 97), labels.view(-1))
+
+
+def narrow_values():
+    return UnequalHeadWidths(12, 8)
+
+
+def wide_values():
+    return UnequalHeadWidths(4, 8)
+
+
 class _OneAttention(torch.nn.Module):
     """Embedding, one 2-head attention's projections, LM head (seeded)."""
 

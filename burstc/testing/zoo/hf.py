@@ -45,7 +45,13 @@ _HF_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_
                 n_positions=64, ffn_dim=64, word_embed_proj_dim=32, moe_intermediate_size=32, num_experts=4,
                 num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32, rotary_dim=4,
                 pad_token_id=0, logits_scaling=8.0)  # Granite divides its logits by it (default 1)
+_DEEPSEEK_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                      num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, kv_lora_rank=16,
+                      q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+                      max_position_embeddings=64, pad_token_id=0)  # multi-head latent attention: q/k 12, v 8 wide
 _HF_SPECIAL = {
+    "DeepseekV2Config": _DEEPSEEK_TINY, "DeepseekV3Config": _DEEPSEEK_TINY,
     "GPTNeoXConfig": dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=0),
     "FalconConfig": dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -60,7 +66,7 @@ _HF_SPECIAL = {
 def hf_arch(config_name: str):
     """A tiny random-init HF causal LM of the given architecture (eval mode, dropout off): the config's
     own defaults with the tiny sizes above wherever its constructor takes them."""
-    impl = "eager" if config_name == "Gemma2Config" else "sdpa"   # Gemma-2 has no SDPA path
+    impl = "eager" if config_name in ("Gemma2Config", "GptOssConfig") else "sdpa"   # no SDPA path
     return hf_arch_variant(config_name, impl)
 
 
