@@ -61,6 +61,7 @@ MODEL_CE = ["tests/test_sharded_models.py", "-k", "test_unfused_cross_entropy_is
 MOE_RULES = ["tests/test_moe_dispatch.py"]
 MOE_MODELS = ["tests/test_hf_architectures.py", "-k", "mixture_of_experts_dispatch and mixtral"]
 LOAD_BALANCE = ["tests/test_hf_architectures.py", "-k", "load_balancing"]
+SINKS = ["tests/test_hf_architectures.py", "-k", "attention_sinks"]
 MERGED_OUTPUTS = ["tests/test_sharded_models.py", "-k", "merged_rows_outputs"]
 MODEL_GATHER = ["tests/test_sharded_models.py", "-k", "per_token_losses or kept_logits"]
 MODEL_BIDIRECTIONAL = ["tests/test_sharded_models.py", "-k", "test_bidirectional_model_matches_when_divisible"]
@@ -306,6 +307,10 @@ MUTANTS = [
        "            return rows(j, new_outer, new_inner)",
        "            return rows(j, new_outer, 1)",
        "a reshape that merges each token's slots into its row forgets them", MOE_RULES, MOE_MODELS),
+    _m("attention_sink_dropped", "passes/shard.py",
+       "            if match is not None and match.sink is not None:",
+       "            if False:",
+       "attention sinks dropped: the ring's output taken as the softmax over keys and sink", SINKS),
     _m("sum_over_ranks_not_reduced", "passes/shard.py",
        "    for node in plan.sums_over_ranks:",
        "    for node in []:",

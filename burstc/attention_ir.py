@@ -364,6 +364,9 @@ class AttentionMatch:
     # the one value the model gives every hidden score (finfo.min, -inf), None when unknown or not one value
     hidden_fill: float | None = None
     fill_replaces: bool = False     # masked_fill replaces the hidden scores (else the fill is added to them)
+    # gpt-oss's attention sinks: a [1, H, 1, 1] node of per-head logits that join each row's softmax as one more
+    # key with a zero value (out = softmax-over-keys output * sigmoid(lse - sink)); None without
+    sink: Any = None
 
     @property
     def mask_description(self) -> str:

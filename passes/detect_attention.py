@@ -269,10 +269,18 @@ def _match_manual(gm, out_node):
     probs, v = out_node.args
     while is_method(probs, "to", "type", "type_as", "float") or (is_function(probs, F.dropout) and not _dropout_active(probs)):
         probs = probs.args[0]
+    sink_sliced = _drops_the_sink(probs)  # gpt-oss: softmax(cat([scores, sinks], -1))[..., :-1]
+    if sink_sliced is not None:
+        probs = sink_sliced
     if is_function(probs, *_SOFTMAX) or is_method(probs, "softmax"):
         scores, dim = probs.args[0], probs.kwargs.get("dim", probs.args[1] if len(probs.args) > 1 else None)
     else:
         return None
+    sink = None
+    if sink_sliced is not None:
+        scores, sink = _sink_logits(scores)
+        if sink is None:
+            return None
     dtype = probs.kwargs.get("dtype", probs.args[2] if len(probs.args) > 2 else None)
     if dim not in (-1, 3) or len(probs.users) != 1 or dtype not in (None, torch.float32, torch.float64):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
@@ -324,8 +332,45 @@ def _match_manual(gm, out_node):
         return None
     if len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
         return None  # SDPA returns q's dtype: only when the manual attention does too
+    if sink is not None and (softcap is not None or val(sink).shape != (1, val(q).shape[1], 1, 1)):
+        return None
     return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill, bias=bias,
-                fill_node=fill_node)
+                fill_node=fill_node, sink=sink)
+
+
+def _drops_the_sink(node):
+    """``probs[..., :-1]`` of a softmax (the sink's column dropped) -> the softmax node, else None."""
+    if not is_function(node, operator.getitem) or not isinstance(node.args[0], fx.Node):
+        return None
+    index = node.args[1]
+    if index == (Ellipsis, slice(None, -1, None)) and len(node.args[0].users) == 1:
+        return node.args[0]
+    return None
+
+
+def _sink_logits(node):
+    """``cat([scores, sinks.reshape(1, H, 1, 1).expand(B, -1, S, -1)], -1)``, maybe stabilized as ``x -
+    x.max(-1, keepdim=True).values`` (a no-op under softmax) -> (scores, the [1, H, 1, 1] sinks), else (node, None)."""
+    if is_function(node, operator.sub) and isinstance(node.args[1], fx.Node):
+        top = node.args[1]
+        if is_function(top, operator.getitem) and top.args[1] == 0 and (
+                is_method(top.args[0], "max") or is_function(top.args[0], torch.max)) \
+                and top.args[0].args[0] is node.args[0]:
+            node = node.args[0]
+        elif (is_method(top, "amax") or is_function(top, torch.amax)) and top.args[0] is node.args[0]:
+            node = node.args[0]
+    if not is_function(node, torch.cat) or len(node.args[0]) != 2:
+        return node, None
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    scores, sinks = node.args[0]
+    if dim not in (-1, 3) or len(node.users) > 2:
+        return node, None
+    while is_method(sinks, "expand", "to", "type") or is_function(sinks, torch.broadcast_to):
+        sinks = sinks.args[0]
+    if val(sinks) is None or val(sinks).dim() != 4 or tuple(val(sinks).shape)[::2] != (1, 1) \
+            or val(sinks).shape[3] != 1:
+        return node, None
+    return scores, sinks
 
 
 def _manual_mask(gm, out_node, match):
@@ -426,6 +471,15 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
     float_fill = spec.term(KeyPadding) is not None
     if float_fill:  # masked_fill's value, or the one value an additive mask hides with
         fill = found["fill"] if style == "filled" else hidden_fill(gm, mask_node, reader, spec)
+    if found["sink"] is not None:
+        if spec.term(KeyPadding) is not None:
+            refusal = Refusal(CODES.sink_hidden_rows, "attention sinks under key padding")
+            context.facts.attention[node] = _manual_match(node, found, None, refusal)
+            context.skip(KIND, node, f"manual attention with {refusal.reason}", code=refusal.code)
+            return None
+        context.facts.attention[node] = dataclasses.replace(_manual_match(node, found, spec, None),
+                                                            sink=found["sink"], notes=("attention sinks",))
+        return None
     if found["softcap"] is not None or float_fill:
         # SDPA can't express a score mod (nor a float fill's hidden rows): dropping the cap would be wrong
         # wherever the shard pass refuses the graph, so the manual nodes stay as written; the match (on

@@ -230,6 +230,13 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             out = graph.call_function(operator.getitem, (ring, 0))
             if D_v < D:
                 out = graph.call_function(operator.getitem, (out, (Ellipsis, slice(0, D_v))))
+            if match is not None and match.sink is not None:
+                # attention sinks: one more key per head with logit `sink` and a zero value; the keys' share of the
+                # row's softmax is exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), differentiable in both
+                lse = graph.call_function(operator.getitem, (ring, 1))
+                gap = graph.call_function(operator.sub, (graph.call_method("unsqueeze", (lse, -1)), match.sink))
+                keys_share = graph.call_method("to", (graph.call_function(torch.sigmoid, (gap,)), val(q).dtype))
+                out = graph.call_function(operator.mul, (out, keys_share))
         out.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         node.replace_all_uses_with(out)
         graph.erase_node(node)

@@ -28,10 +28,10 @@ SHARDED = [
     "Glm4MoeConfig", "Llama4TextConfig",
     "DeepseekV3Config",  # latent attention (values narrower than queries: zero-padded in the ring) + experts
     "PhimoeConfig",  # sparsemixer routing: expert ids from max(dim), concatenated
+    "GptOssConfig",  # eager attention with sinks: the ring's output scaled by sigmoid(lse - sink)
 ]
 REFUSED = [
     "MiniMaxConfig",  # lightning (linear) attention layers: a running sum over the sequence
-    "GptOssConfig",  # eager attention with sinks (a per-head logit in the softmax): not recognized as attention yet
     "JambaConfig",  # Mamba layers (a convolution over the sequence)
     "FalconH1Config", "Qwen3NextConfig",  # convolutions over the sequence (Mamba-style / linear attention)
 ]
@@ -100,6 +100,20 @@ def test_load_balancing_loss(workers, world_size, inputs, loss, sharded):
         assert results[0]["shard_details"]["sums_over_ranks"] == 2 * layers
     elif world_size > 1:
         assert any("the pads would count" in reason for kind, reason in results[0]["skipped"] if kind == "shard")
+
+
+def test_attention_sinks_are_sharded_with_windows_and_refused_under_padding(workers):
+    # gpt-oss: softmax(cat([scores, sink], -1))[..., :-1] @ v is the keys' softmax times sigmoid(lse - sink): the ring
+    # op's output and lse, then that factor (the sinks get their gradient through it)
+    results = assert_equivalent(zoo.hf_gpt_oss_windowed, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, world_size=2,
+                                group=workers.get(2), backend="aot_eager", timeout=300)
+    assert sorted(m.split(" ")[0] for m in results[0]["attention_masks"]) == ["causal", "causal&window(5,-)"]
+    assert "attention sinks" in results[0]["report"]
+    # a fully hidden row (left padding) would put its weight on the sink, not average the keys: refused, exact
+    results = assert_equivalent(zoo.hf_gpt_oss_windowed, zoo.hf_arch_batch_inputs, zoo.hf_loss_with_padding,
+                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False,
+                                timeout=300)
+    assert "attention.sink_hidden_rows" in results[0]["skip_codes"]
 
 
 @pytest.mark.parametrize("config_name", ["Qwen2Config", "GPT2Config", "Gemma3TextConfig", "GPTNeoXConfig"])

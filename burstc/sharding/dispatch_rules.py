@@ -214,16 +214,18 @@ def refuse_row_numbers(analyzer, node):
                                         "gathers, inverses and grouped matmuls may use them)", node)
 
 
-@R.rule("permuted_inplace", lambda analyzer, node: is_mutating(node))
+@R.rule("permuted_inplace", lambda analyzer, node: is_mutating(node)
+        and not R.pointwise_inplace.matches(analyzer, node))
 def refuse_permuted_inplace(analyzer, node):
+    """Elementwise in-place ops (a bias added with ``add_``) pass (``R.pointwise_inplace``); no other write."""
     raise Refused(CODES.inplace_write, f"in-place `{op_name(node)}` on rows permuted by a sort", node)
 
 
 # The table the analyzer uses when an input is Permuted, RowIndex or GroupSizes.
 DISPATCH_RULES: tuple[R.Rule, ...] = (
-    R.side_effect_free, scatter_by_permutation, slots_to_tokens, argsort_of_permutation, R.gather_rows,
+    R.side_effect_free, scatter_by_permutation, slots_to_tokens, argsort_of_permutation, R.gather_rows, R.indexing,
     group_sizes, group_offsets, grouped_mm, R.like_constructor, refuse_row_numbers, refuse_permuted_inplace,
-    R.tuple_item, R.refuse_tuple_operand, R.pointwise_op, R.dropout, R.linear, R.norm,
+    R.tuple_item, R.refuse_tuple_operand, R.pointwise_op, R.pointwise_inplace, R.dropout, R.linear, R.norm,
     R.softmax, R.reduction, R.matmul, R.transpose, R.permute, R.matrix_t, R.unsqueeze, R.squeeze, R.dtype_view,
     R.reshape, R.split, R.topk_sort, R.min_max,
 )

@@ -43,6 +43,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_arch_checkpointed,
     hf_moe,
     hf_moe_with_aux_loss,
+    hf_gpt_oss_windowed,
     hf_arch_variant,
     hf_arch_inputs,
     hf_arch_batch_inputs,

@@ -102,6 +102,11 @@ def hf_moe_with_aux_loss(config_name: str = "MixtralConfig"):
     return hf_arch_variant(config_name, "sdpa", output_router_logits=True, router_aux_loss_coef=0.02)
 
 
+def hf_gpt_oss_windowed():
+    """gpt-oss (eager attention with per-head sinks, MoE with biased experts), its sliding layers 6 tokens wide."""
+    return hf_arch_variant("GptOssConfig", "eager", sliding_window=6)
+
+
 def hf_arch_checkpointed(config_name: str):
     """hf_arch with HF's gradient checkpointing on, in training mode (where HF checkpoints; dropout is off)."""
     model = hf_arch(config_name)
