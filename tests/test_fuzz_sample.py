@@ -246,3 +246,14 @@ def test_cli_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         fuzz.main(argv)
     assert exit_info.value.code == 2 and "--ranks must be >= 1" in capsys.readouterr().err
+
+
+def test_mixtures_of_experts_are_compared_in_fp32_only():
+    # a router's top-k is discontinuous: in bf16, eager's own math and flash kernels already route a token
+    # differently (Mixtral, fuzz seed 271 case 95: 1 of 48 tokens, an expert's gradient 18% apart), so equality with
+    # eager is only defined in fp32
+    rng = random.Random(3)
+    drawn = [generate_case(RandomDraw(rng), world_sizes=(2,)) for _ in range(300)]
+    moe = [c for c in drawn if fuzz._routes_tokens(c.model)]
+    assert len(moe) >= 20 and all(c.precision == "fp32" for c in moe)
+    assert any(c.precision != "fp32" for c in drawn if not fuzz._routes_tokens(c.model))

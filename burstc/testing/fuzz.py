@@ -282,8 +282,20 @@ def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_i
     inputs = generate_input_spec(d, world_size, model)
     options, alternative = generate_options(d, world_size, allow_inductor)
     precision = "fp32" if d.boolean(0.8) else d.choice(["bf16", "autocast"])
+    if _routes_tokens(model):
+        # a router's top-k is discontinuous: in bf16 a last-bit difference in its input (another attention kernel,
+        # eager's own math vs flash backends included) can flip a token's expert and move that expert's gradients
+        # by tens of percent (seen: Mixtral, 1 of 48 tokens, 18%); equality with eager is only defined in fp32
+        precision = "fp32"
     return Case(model=model, inputs=inputs, world_size=world_size, options=options, alternative=alternative,
                 precision=precision)
+
+
+def _routes_tokens(model) -> bool:
+    """A mixture of experts: HF's MoE architectures, or a generated MoE block."""
+    if isinstance(model, HFSpec):
+        return any(k in model.config_name for k in ("Moe", "Mixtral", "FlexOlmo", "Llama4", "MiniMax"))
+    return model.mlp.startswith("moe")
 
 
 def cases(world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
