@@ -183,6 +183,20 @@ def test_slot_numbers_divided_by_other_than_the_slots_per_token_are_refused():
     assert caught.value.code == CODES.unsupported_op and "slots per token" in caught.value.reason
 
 
+def test_an_inverse_written_into_a_whole_sequence_tensor_is_refused():
+    def global_inverse(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
+        _, perm = torch.sort(top_i_TK.reshape(-1))
+        inverse = torch.empty(perm.shape[0], dtype=torch.long)  # the whole sequence's extent, not this rank's
+        inverse[perm] = torch.arange(perm.shape[0])
+        slots_SH = x_TH.repeat_interleave(K, dim=0)[perm]
+        return slots_SH[inverse].view(-1, K, H).sum(dim=1)
+
+    analyzer = analyzer_for(moe_model(global_inverse))
+    with pytest.raises(Refused) as caught:
+        analyzer.run()
+    assert caught.value.code == CODES.unsupported_op and "not shaped like this rank's rows" in caught.value.reason
+
+
 def test_rows_gathered_by_another_values_numbers_are_refused():
     def wrong_target(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
         _, perm = torch.sort(top_i_TK.reshape(-1))

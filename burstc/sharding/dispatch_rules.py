@@ -138,6 +138,10 @@ def scatter_by_permutation(analyzer, node):
     graph_order = {n: i for i, n in enumerate(analyzer.gm.graph.nodes)}
     if not _is_permutation(by) or val(dst).dim() != 1 or val(dst).shape != val(index).shape:
         raise Refused(CODES.unsupported_op, "a write through row numbers that does not cover every row once", node)
+    if not is_sharded(analyzer.place(dst)):
+        # e.g. torch.empty(n): the whole sequence's extent on every rank, which this rank's numbers cover in part
+        raise Refused(CODES.unsupported_op, f"`{dst.name}` written through this rank's row numbers is not shaped "
+                                            "like this rank's rows", node)
     if any(u is not node and graph_order[u] < graph_order[node] for u in dst.users):
         raise Refused(CODES.inplace_write, f"`{dst.name}` is read before the permutation is written into it", node)
     if is_function(src, torch.arange) and not is_sharded(analyzer.place(src)) and len(src.users) == 1 \
