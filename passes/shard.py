@@ -168,21 +168,14 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
         if key not in shard_cache:
             # right after the value, or after the chunk owners when the value (a placeholder) comes first
             anchor = owners[0] if owners and order.get(inp, -1) < order[owners[0]] else inp
-            d, outer, inner = dim if isinstance(dim, tuple) else (dim, None, None)
-            source = inp
-            if outer is not None:
-                shape = list(val(inp).shape)
-                with graph.inserting_after(anchor):
-                    source = anchor = graph.call_method(
-                        "reshape", (inp, tuple(shape[:d] + [outer, analyzer.S, inner] + shape[d + 1:])))
-                d += 1
-            with graph.inserting_after(anchor):
-                shard_cache[key] = graph.call_function(torch.ops.burstc.shard_seq.default,
-                                                       (source, d, group_name, layout, padded_len, pad_value, *owners))
-            if outer is not None:
-                local = shape[:d - 1] + [outer * analyzer.s * inner] + shape[d:]
-                with graph.inserting_after(shard_cache[key]):
-                    shard_cache[key] = graph.call_method("reshape", (shard_cache[key], tuple(local)))
+
+            def shard_seq(x, d):
+                return graph.call_function(torch.ops.burstc.shard_seq.default,
+                                           (x, d, group_name, layout, padded_len, pad_value, *owners))
+
+            with graph.inserting_before(anchor.next):
+                shard_cache[key] = _along_merged_rows(graph, inp, MergedRows(*dim), analyzer.S, analyzer.s, shard_seq) \
+                    if isinstance(dim, tuple) else shard_seq(inp, dim)
         return shard_cache[key]
 
     for node, args_kwargs in plan.new_args.items():
@@ -302,17 +295,14 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
     gathered = []
     for index, out in plan.outputs_to_gather:
         where = analyzer.place(out)
+
+        def gather_seq(x, d):
+            return graph.call_function(torch.ops.burstc.gather_seq.default,
+                                       (x, d, group_name, layout, analyzer.S, *owners))
+
         with graph.inserting_before(output_node):
-            if isinstance(where, MergedRows):  # [.., outer * s * inner, ..] -> [.., outer, s, inner, ..], gathered
-                d, shape = where.dim, list(val(out).shape)
-                split = graph.call_method("reshape", (out, tuple(
-                    shape[:d] + [where.outer, analyzer.s, where.inner] + shape[d + 1:])))
-                full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                           (split, d + 1, group_name, layout, analyzer.S, *owners))
-                full = graph.call_method("reshape", (full, tuple(shape)))
-            else:
-                full = graph.call_function(torch.ops.burstc.gather_seq.default,
-                                           (out, where.dim, group_name, layout, analyzer.S, *owners))
+            full = _along_merged_rows(graph, out, where, analyzer.s, analyzer.S, gather_seq) \
+                if isinstance(where, MergedRows) else gather_seq(out, where.dim)
         output_node.args = (tuple(full if (i == index) else o for i, o in enumerate(output_node.args[0])),)
         gathered.append(out.name)
 
@@ -324,6 +314,16 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
                     synced = graph.call_function(grad_all_reduce, (node, reduction_group(group_name)))
                 node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
     return gathered, tuple(plans), tuple(rings)
+
+
+def _along_merged_rows(graph: fx.Graph, x: fx.Node, where: MergedRows, length: int, new_length: int, call):
+    """``call(y, d)`` where ``x``'s dim ``where.dim`` holds merged (batch, token, slot) rows, ``length`` tokens per
+    batch row: ``x`` split to ``[.., outer, length, inner, ..]``, ``call`` on the token dim (sharding it to
+    ``new_length`` tokens or gathering it back), merged again.  Only the other dims are read from ``x``'s meta."""
+    d, shape = where.dim, list(val(x).shape)
+    split = graph.call_method("reshape", (x, tuple(shape[:d] + [where.outer, length, where.inner] + shape[d + 1:])))
+    merged = shape[:d] + [where.outer * new_length * where.inner] + shape[d + 1:]
+    return graph.call_method("reshape", (call(split, d + 1), tuple(merged)))
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,

@@ -137,6 +137,34 @@ def expert_choice(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
     return x_TH * picked.sum()
 
 
+def neighbour_row(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
+    """Row numbers in arithmetic: a neighbour's row."""
+    _, perm = torch.sort(top_i_TK.reshape(-1))
+    return x_TH[(perm + 1) % perm.numel() // K].view(-1, K, H).sum(dim=1)
+
+
+def wrong_divisor(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
+    """Slot numbers divided by other than the slots per token: in bounds, but not each slot's own token."""
+    _, perm = torch.sort(top_i_TK.reshape(-1))
+    return x_TH[perm // (K + 1)].view(-1, K, H).sum(dim=1)
+
+
+def global_inverse(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
+    """The inverse written into a tensor of the whole sequence's extent, not this rank's."""
+    _, perm = torch.sort(top_i_TK.reshape(-1))
+    inverse = torch.empty(perm.shape[0], dtype=torch.long)
+    inverse[perm] = torch.arange(perm.shape[0])
+    slots_SH = x_TH.repeat_interleave(K, dim=0)[perm]
+    return slots_SH[inverse].view(-1, K, H).sum(dim=1)
+
+
+def wrong_target(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
+    """Token numbers used on slot rows."""
+    _, perm = torch.sort(top_i_TK.reshape(-1))
+    slots_SH = x_TH.repeat_interleave(K, dim=0)
+    return slots_SH[perm // K].view(-1, K, H).sum(dim=1)
+
+
 @pytest.mark.parametrize("experts, code, words", [
     (capacity_limited, CODES.merged_rows, "cumsum"),
     (expert_choice, CODES.mixes_positions, "topk"),
@@ -145,7 +173,12 @@ def expert_choice(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
     (lambda *a: grouped_experts(*a, sort_key=lambda ids: ids * 2 - 3), CODES.unsupported_op, "top-k indices"),
     # the same keys sorted twice: equal counts, but the analysis asks for the rows' own sort (conservative)
     (lambda *a: grouped_experts(*a, offsets_of=lambda ids: ids), CODES.unsupported_op, "running sums"),
-], ids=["capacity", "expert_choice", "histc_data_range", "descending", "keys_not_indices", "other_sort_offsets"])
+    (neighbour_row, CODES.unsupported_op, "RowIndex"),
+    (wrong_divisor, CODES.unsupported_op, "slots per token"),
+    (global_inverse, CODES.unsupported_op, "not shaped like this rank's rows"),
+    (wrong_target, CODES.slices_sequence, "numbers rows"),
+], ids=["capacity", "expert_choice", "histc_data_range", "descending", "keys_not_indices", "other_sort_offsets",
+        "row_numbers_in_arithmetic", "slots_per_token", "whole_sequence_inverse", "numbers_of_another_value"])
 def test_dispatch_that_is_not_per_token_is_refused(experts, code, words):
     analyzer = analyzer_for(moe_model(experts))
     with pytest.raises(Refused) as caught:
@@ -153,16 +186,7 @@ def test_dispatch_that_is_not_per_token_is_refused(experts, code, words):
     assert caught.value.code == code and words in caught.value.reason, caught.value
 
 
-def test_row_numbers_in_arithmetic_or_as_an_output_are_refused():
-    def shifted(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
-        _, perm = torch.sort(top_i_TK.reshape(-1))
-        return x_TH[(perm + 1) % perm.numel() // K].view(-1, K, H).sum(dim=1)  # a neighbour's row
-
-    analyzer = analyzer_for(moe_model(shifted))
-    with pytest.raises(Refused) as caught:
-        analyzer.run()
-    assert caught.value.code == CODES.unsupported_op and "RowIndex" in caught.value.reason
-
+def test_row_numbers_as_an_output_are_refused():
     def returns_perm(ids_BS, table, router, up, down):
         x_TH = F.embedding(ids_BS, table).view(-1, H)
         return x_TH * 2, torch.sort(route(x_TH, router)[1].reshape(-1))[1]
@@ -170,40 +194,3 @@ def test_row_numbers_in_arithmetic_or_as_an_output_are_refused():
     analyzer = analyzer_for(returns_perm)
     analyzer.run()
     assert analyzer.output_problem is not None and analyzer.output_problem.code == CODES.unsupported_op
-
-
-def test_slot_numbers_divided_by_other_than_the_slots_per_token_are_refused():
-    def wrong_divisor(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
-        _, perm = torch.sort(top_i_TK.reshape(-1))
-        return x_TH[perm // (K + 1)].view(-1, K, H).sum(dim=1)  # in bounds, but not each slot's own token
-
-    analyzer = analyzer_for(moe_model(wrong_divisor))
-    with pytest.raises(Refused) as caught:
-        analyzer.run()
-    assert caught.value.code == CODES.unsupported_op and "slots per token" in caught.value.reason
-
-
-def test_an_inverse_written_into_a_whole_sequence_tensor_is_refused():
-    def global_inverse(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
-        _, perm = torch.sort(top_i_TK.reshape(-1))
-        inverse = torch.empty(perm.shape[0], dtype=torch.long)  # the whole sequence's extent, not this rank's
-        inverse[perm] = torch.arange(perm.shape[0])
-        slots_SH = x_TH.repeat_interleave(K, dim=0)[perm]
-        return slots_SH[inverse].view(-1, K, H).sum(dim=1)
-
-    analyzer = analyzer_for(moe_model(global_inverse))
-    with pytest.raises(Refused) as caught:
-        analyzer.run()
-    assert caught.value.code == CODES.unsupported_op and "not shaped like this rank's rows" in caught.value.reason
-
-
-def test_rows_gathered_by_another_values_numbers_are_refused():
-    def wrong_target(x_TH, top_w_TK, top_i_TK, up_EHF, down_EFH):
-        _, perm = torch.sort(top_i_TK.reshape(-1))
-        slots_SH = x_TH.repeat_interleave(K, dim=0)
-        return slots_SH[perm // K].view(-1, K, H).sum(dim=1)  # token numbers used on slot rows
-
-    analyzer = analyzer_for(moe_model(wrong_target))
-    with pytest.raises(Refused) as caught:
-        analyzer.run()
-    assert caught.value.code == CODES.slices_sequence

@@ -164,8 +164,7 @@ def group_sizes(analyzer, node):
     keys must be top-k/sort indices (non-negative) and ``min <= 0 < max`` fixed (``min == max`` would take the
     range from the data): every key then lands in the group its value says, whichever rank holds it."""
     keys = R.first_arg(node)
-    kwargs = dict(zip(("bins", "min", "max"), node.args[1:4]), **node.kwargs)
-    lo, hi = kwargs.get("min", 0), kwargs.get("max", 0)
+    lo, hi = R.histc_range(node)
     sort = _sort_keys(analyzer, keys)
     placement = analyzer.place(keys)
     if sort is None or not isinstance(placement, Permuted) or placement.by != sort.name:

@@ -605,11 +605,18 @@ def sums_by_group(analyzer, node):
     return sum_over_ranks(analyzer, node, "per-group sums over the sequence")
 
 
+def histc_range(node) -> tuple:
+    """``(min, max)`` of a ``torch.histc`` call (torch's defaults 0, 0: the data's own range); either may be a
+    graph value, which the callers refuse."""
+    kwargs = dict(zip(("bins", "min", "max"), node.args[1:4]), **node.kwargs)
+    return kwargs.get("min", 0), kwargs.get("max", 0)
+
+
 @rule("histc_of_rows", lambda analyzer, node: is_function(node, torch.histc))
 def histc_of_rows(analyzer, node):
     """``histc`` of token values (a router's expert ids): this rank's counts, summed over the ranks.  A range
     taken from the data (``min == max``) would be each rank's own: refused."""
-    lo, hi = (dict(zip(("bins", "min", "max"), node.args[1:4]), **node.kwargs).get(k, 0) for k in ("min", "max"))
+    lo, hi = histc_range(node)
     if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)) or not lo < hi:
         raise Refused(CODES.reduces_sequence, f"`histc` of token values over the data's own range [{lo}, {hi}]",
                       node)
@@ -712,7 +719,8 @@ def reshape_dim(analyzer, node, x, out_val) -> Shard | MergedRows | Permuted:
             candidates.append((j, new_outer, new_inner))
     # S = 1 leaves several: the one that keeps the factors
     candidates.sort(key=lambda c: (c[1], c[2]) != (outer, inner))
-    for j, new_outer, new_inner in candidates[:1]:
+    if candidates:
+        j, new_outer, new_inner = candidates[0]
         if not isinstance(placement, Permuted):
             return rows(j, new_outer, new_inner)
         if (new_outer, new_inner) == (outer, inner) and out_shape[j] == val(x).shape[base.dim]:
@@ -878,8 +886,8 @@ SHARDED_RULES: tuple[Rule, ...] = (
     repeat_interleave, broadcast_to, expand_or_repeat, complex_view, split, cat, pointwise_inplace,
 )
 MERGED_RULES: tuple[Rule, ...] = (
-    side_effect_free, sums_by_group, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item, refuse_tuple_operand,
-    gather_rows, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
+    side_effect_free, sums_by_group, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item,
+    refuse_tuple_operand, gather_rows, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
     like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, histc_of_rows,
     matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, repeat_interleave, broadcast_to,
     expand_or_repeat, split, pointwise_inplace,
