@@ -5,6 +5,7 @@ reducer catch planted failures, reproducers load."""
 from __future__ import annotations
 
 import collections
+import json
 import dataclasses
 import random
 import runpy
@@ -241,7 +242,8 @@ def test_fully_hidden_rows_match_eager(workers, name):
     assert not outcome.failed, outcome.detail
 
 
-@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"]])
+@pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"],
+                                  ["--cases", "3", "--start", "3"], ["--start", "-1"]])
 def test_cli_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         fuzz.main(argv)
@@ -257,3 +259,15 @@ def test_mixtures_of_experts_are_compared_in_fp32_only():
     moe = [c for c in drawn if fuzz._routes_tokens(c.model)]
     assert len(moe) >= 20 and all(c.precision == "fp32" for c in moe)
     assert any(c.precision != "fp32" for c in drawn if not fuzz._routes_tokens(c.model))
+
+
+def test_a_resumed_run_runs_the_same_cases_and_logs_each(tmp_path):
+    # a long run split in parts (--start) must run exactly the cases one uninterrupted run would
+    rng = random.Random(5)
+    expected = [generate_case(RandomDraw(rng), (1,), 0.3, False, 0.1) for _ in range(3)]
+    assert fuzz.main(["--cases", "3", "--start", "2", "--seed", "5", "--ranks", "1", "--out", str(tmp_path)]) == 0
+    lines = (tmp_path / "cases-5.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    entry = json.loads(lines[0])
+    assert entry["n"] == 2 and entry["case"] == repr(expected[2]) and entry["kind"] in ("one_device", "refused")
+    assert (tmp_path / "summary-5-from-2.json").exists()

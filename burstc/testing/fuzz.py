@@ -606,6 +606,9 @@ def reproduce(case: Case, timeout: float = 300.0) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="burstc model fuzzer: random models, inputs and options vs eager")
     parser.add_argument("--cases", type=int, default=100)
+    parser.add_argument("--start", type=int, default=0,
+                        help="resume a seed's sequence: draw cases 0..start-1 without running them (a long run "
+                             "split in parts gives the same cases as one run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3, 4], help="world sizes to draw from")
     parser.add_argument("--hf-fraction", type=float, default=0.3, help="share of cases drawn from HF architectures")
@@ -619,8 +622,8 @@ def main(argv=None) -> int:
                              "'auto' and 'documents' for the per-call documents layout)")
     args = parser.parse_args(argv)
     _draw_layouts(args.layouts)
-    if any(p < 1 for p in args.ranks) or args.cases < 1:
-        parser.error("--ranks must be >= 1 and --cases >= 1")
+    if any(p < 1 for p in args.ranks) or args.cases < 1 or not 0 <= args.start < args.cases:
+        parser.error("--ranks must be >= 1, --cases >= 1 and 0 <= --start < --cases")
     from burstc.testing.workers import WorkerPool
 
     rng = random.Random(args.seed)
@@ -629,10 +632,15 @@ def main(argv=None) -> int:
     all_codes: collections.Counter = collections.Counter()
     failures, log, signatures = [], [], set()
     start = time.time()
-    with WorkerPool(run_timeout_s=args.timeout) as pool:
+    os.makedirs(args.out, exist_ok=True)
+    # One line per case as it finishes: an interrupted run keeps what it ran (resume it with --start).
+    case_log = open(os.path.join(args.out, f"cases-{args.seed}.jsonl"), "a")
+    with WorkerPool(run_timeout_s=args.timeout) as pool, case_log:
         for n in range(args.cases):
             case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor,
                                  args.flex_fraction)
+            if n < args.start:
+                continue
             case_start = time.time()
             outcome = run_case(pool, case, args.timeout)
             counts["tried"] += 1
@@ -663,6 +671,8 @@ def main(argv=None) -> int:
                 failures.append({"n": n, "kind": outcome.kind, "reproducer": path, "detail": outcome.detail[:2000]})
                 entry["reproducer"] = path
             log.append(entry)
+            case_log.write(json.dumps({**entry, "seconds": round(time.time() - case_start, 1)}) + "\n")
+            case_log.flush()
     elapsed = time.time() - start
     print(f"\ntried {counts['tried']}: rewritten {counts['rewritten']}, refused {counts['refused']}, "
           f"one device {counts['one_device']}, rejected (length error) {counts['rejected']}, mismatches {counts['mismatch']}, crashes {counts['crash']}, "
@@ -672,8 +682,7 @@ def main(argv=None) -> int:
     print("every skip code seen (cases): " + ", ".join(f"{c} {k}" for c, k in all_codes.most_common()))
     for failure in failures:
         print(f"{failure['kind']}: {failure['reproducer']}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"summary-{args.seed}.json"), "w") as f:
+    with open(os.path.join(args.out, f"summary-{args.seed}-from-{args.start}.json"), "w") as f:
         json.dump({"counts": counts, "refused": refused, "codes": all_codes, "failures": failures, "cases": log,
                    "seconds": elapsed}, f, indent=1)
     return 1 if failures else 0
