@@ -247,6 +247,33 @@ def _rows_block(q_start: int, q_stop: int, lo: torch.Tensor, hi: torch.Tensor) -
     return Block(q_start, q_stop, kv_start, kv_stop, POSITIONS, int(counts.sum()))
 
 
+def clip_query_rows(found: tuple[Block, ...], query_rows: int, positions=None) -> tuple[Block, ...]:
+    """The part of a pair's blocks on query rows ``[0, query_rows)``: what a forward restricted to a shard's first
+    rows computes (a checkpoint's recompute of the rows it did not keep).  A full block keeps its keys; a top-left
+    causal one keeps the keys its remaining rows see; an anti-causal or positions block keeps its keys and runs the
+    position-masked kernel, its visible entries recounted on the remaining rows (``positions() -> (q positions,
+    kv positions, static mask)`` of the pair, asked only then)."""
+    clipped = []
+    for block in found:
+        if block.q_stop <= query_rows:
+            clipped.append(block)
+            continue
+        rows = query_rows - block.q_start
+        if rows <= 0:
+            continue
+        if block.mask == FULL:
+            clipped.append(dataclasses.replace(block, q_stop=query_rows))
+        elif block.mask == CAUSAL:  # row i sees keys 0..i: the first ``rows`` rows see min(rows, width) keys
+            width = min(rows, block.kv_stop - block.kv_start)
+            clipped.append(dataclasses.replace(block, q_stop=query_rows, kv_stop=block.kv_start + width))
+        else:
+            q_pos, kv_pos, static = positions()
+            visible = int(static.visible(q_pos[block.q_start:query_rows], kv_pos[block.kv_rows]).sum())
+            if visible:
+                clipped.append(dataclasses.replace(block, q_stop=query_rows, mask=POSITIONS, visible_entries=visible))
+    return tuple(clipped)
+
+
 # ---------------------------------------------------------------------------------------------
 # Which rows of a pair travel: the mask-aware transfers
 
@@ -329,6 +356,18 @@ def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver:
     if queries_travel:
         return _pair_rows_seen(layout, terms, sender, receiver, local_len, world_size)[0]
     return _pair_rows_seen(layout, terms, receiver, sender, local_len, world_size)[1]
+
+
+def first_rows_key_rows(layout: str, mask: MaskSpec, query_rows: int, receiver: int, sender: int, local_len: int,
+                        world_size: int) -> Runs:
+    """The key rows of ``sender`` that ``receiver``'s first ``query_rows`` query rows see (the static part of
+    ``mask``): what a forward restricted to those rows moves (the union of :func:`clip_query_rows`'s keys)."""
+    static = mask.static_part
+    seq_len = local_len * world_size
+    found = clip_query_rows(blocks(layout, static, receiver, sender, local_len, world_size), query_rows, lambda: (
+        local_positions(seq_len, world_size, receiver, layout), local_positions(seq_len, world_size, sender, layout),
+        static))
+    return union_runs([((b.kv_start, b.kv_stop),) for b in found])
 
 
 def intersect_runs(a: Runs, b: Runs) -> Runs:

@@ -99,6 +99,12 @@ class BurstConfig:
     ``"selective"`` (layers recomputed, each ring attention's output and LSE kept: the recomputation never runs
     the ring; on one device SDPA's output is kept)."""
 
+    checkpoint_keep: float = 1.0
+    """Under ``checkpoint="selective"``, the fraction of each rank's local rows whose ring-attention output and LSE
+    are kept (:mod:`burstc.kept_rows`): the last rows in local order (under a causal mask the costliest); the
+    backward's recompute runs the ring forward for the others only (their compute, and only the key rows they see
+    travel).  ``1.0`` (default) keeps every row: the recompute never runs the ring."""
+
     memory_budget: int | None = None
     """Bytes per rank that one training step may peak at (parameters, buffers, gradients, activations): on a
     mesh burstc then picks the checkpoint mode itself, the one with the least recomputation whose predicted
@@ -189,6 +195,12 @@ class BurstConfig:
         if budget is not None and self.checkpoint != "none":
             raise ValueError(f"options 'memory_budget' and checkpoint={self.checkpoint!r} conflict: the budget picks "
                              "the checkpoint mode itself; pass one of them")
+        keep = self.checkpoint_keep
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
+            raise ValueError(f"option 'checkpoint_keep' must be a fraction in (0, 1], got {keep!r}")
+        if keep < 1 and self.checkpoint != "selective":
+            raise ValueError(f"option checkpoint_keep={keep!r} applies to checkpoint='selective' (the fraction of each "
+                             f"attention's output it keeps), got checkpoint={self.checkpoint!r}")
         chunk = self.lm_head_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"option 'lm_head_chunk_size' must be a positive int or None, got {chunk!r}")

@@ -57,6 +57,12 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
         partitioner.budget = dict(report=context.report, budget=config.memory_budget, backend=config.backend,
                                   world_size=context.world_size, parameters=parameters, buffers=buffers,
                                   graph_id=record.graph_id)
+    if config.checkpoint_keep < 1 and context.facts.sharding is None:
+        context.report.notes.append(f"graph {record.graph_id}: checkpoint_keep not applied: the graph is not sharded "
+                                    "(on one device the attention's whole output is kept)")
+    elif config.checkpoint_keep < 1:
+        partitioner.keep = dict(fraction=config.checkpoint_keep, report=context.report,
+                                world_size=context.world_size, graph_id=record.graph_id)
     if config.backend == "aot_eager":
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd

@@ -17,11 +17,21 @@ class BurstPartitioner(CustomPartitionerFn):
     (:func:`burstc.memory.partition_within_budget`)."""
 
     budget: dict | None = None
+    keep: dict | None = None  # checkpoint_keep < 1: fraction, report, world_size, graph_id
 
     def __call__(self, joint_gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
                  ) -> tuple[fx.GraphModule, fx.GraphModule]:
         from functorch.compile import min_cut_rematerialization_partition
 
+        if self.keep is not None:
+            from burstc.kept_rows import keep_attention_rows, retag_for_recompute
+
+            retag_for_recompute(joint_gm)  # partitioned as "layers", then each recompute narrowed to its rows
+            fw, bw = min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
+            kept = keep_attention_rows(fw, bw, self.keep["fraction"], kwargs["num_fwd_outputs"],
+                                       self.keep["world_size"])
+            self.keep["report"].set_kept_rows(self.keep["graph_id"], kept)
+            return fw, bw
         if self.budget is None:
             return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
         from burstc.memory import partition_within_budget
@@ -35,7 +45,9 @@ class BurstPartitioner(CustomPartitionerFn):
 
     def uuid(self) -> Any:
         budget = {k: v for k, v in (self.budget or {}).items() if k != "report"}
-        return get_hash_for_files((__file__, burstc.lowering.__file__), extra=repr(sorted(budget.items())))
+        keep = {k: v for k, v in (self.keep or {}).items() if k != "report"}
+        return get_hash_for_files((__file__, burstc.lowering.__file__),
+                                  extra=repr((sorted(budget.items()), sorted(keep.items()))))
 
     def __reduce__(self):
         # Inductor pickles its config (this instance among it) for its FX-graph cache: the class by reference,

@@ -40,7 +40,8 @@ import sympy
 import torch
 
 from burstc.attention_ir import Causal, SlidingWindow
-from burstc.block_geometry import DoubleRingRoutes, GridPosition, blocks, runs_length, travelling_rows, visible_intervals
+from burstc.block_geometry import (DoubleRingRoutes, GridPosition, blocks, first_rows_key_rows, runs_length,
+                                   travelling_rows, visible_intervals)
 from burstc.layout import local_positions
 
 B, S, P, Hq, Hkv, D, a = sympy.symbols("B S P Hq Hkv D a", positive=True, integer=True)
@@ -274,6 +275,23 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
         found[op] = Transfers(tuple(map(tuple, sent)), tuple(map(tuple, received)),
                               tuple(tuple(steps_) for steps_ in by_link))
     return found
+
+
+def predicted_first_rows_forward(layout: str, mask, query_rows: int, seq_len: int, world_size: int, batch: int,
+                                 heads_q: int, heads_kv: int, head_dim: int, dtype: torch.dtype | int) -> Transfers:
+    """:func:`predicted_transfers`' ``"forward"`` for a forward over each rank's first ``query_rows`` query rows
+    (a selective checkpoint's recompute of the rows it did not keep): only the key rows those rows see travel
+    (:func:`burstc.block_geometry.first_rows_key_rows`, what the op sends), on a flat ring."""
+    local_len = seq_len // world_size
+    rows = functools.partial(_first_rows_between, layout, mask, query_rows, local_len, world_size)
+    return predicted_transfers(layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype,
+                               rows_between=rows)["forward"]
+
+
+def _first_rows_between(layout, mask, query_rows, local_len, world_size, queries_travel, receiver, sender):
+    if queries_travel:  # the backward plans: never asked of a forward-only call
+        return ()
+    return first_rows_key_rows(layout, mask, query_rows, receiver, sender, local_len, world_size)
 
 
 @functools.lru_cache(maxsize=256)

@@ -100,6 +100,9 @@ class Report:
         self.traces: list = []
         self.memory_plans: list = []
         """One :class:`burstc.memory.MemoryPlan` per graph compiled under ``memory_budget=``."""
+        self.kept_rows: list = []
+        """``(graph id, burstc.kept_rows.KeptRows)`` per attention whose output a ``checkpoint_keep < 1`` keeps in
+        part."""
 
     # -- filled in by the backend -------------------------------------------------------------
     def new_graph(self) -> GraphRecord:
@@ -115,9 +118,25 @@ class Report:
 
             warnings.warn(f"burstc: {plan.summary()}", stacklevel=2)
 
+    def set_kept_rows(self, graph_id: int, kept: list) -> None:
+        self.kept_rows = [(g, k) for g, k in self.kept_rows if g != graph_id] + [(graph_id, k) for k in kept]
+
+    def kept_rows_summary(self) -> list[str]:
+        lines = []
+        for graph_id in sorted({g for g, _ in self.kept_rows}):
+            kept = [k for g, k in self.kept_rows if g == graph_id]
+            received = [k.recompute_bytes_received for k in kept]
+            moved = "" if None in received else f", the recompute receives {sum(received) / 2**20:.2f} MiB"
+            lines.append(f"graph {graph_id}: checkpoint_keep: {len(kept)} attention(s) keep the last "
+                         f"{kept[0].kept_rows} of {kept[0].local_rows} local rows' O and LSE "
+                         f"({sum(k.kept_bytes for k in kept) / 2**20:.2f} MiB per rank); the backward recomputes "
+                         f"the ring for the first {kept[0].recomputed_rows}{moved} (busiest rank, all attentions)")
+        return lines
+
     def forget_graph(self, graph_id: int) -> None:
         """Drop what the passes recorded for ``graph_id`` (the backend reruns them on it)."""
         self.memory_plans = [p for p in self.memory_plans if p.graph_id != graph_id]
+        self.kept_rows = [(g, k) for g, k in self.kept_rows if g != graph_id]
         self.rewrites = [r for r in self.rewrites if r.graph_id != graph_id]
         self.skipped = [s for s in self.skipped if s.graph_id != graph_id]
         self.passes = [p for p in self.passes if p.graph_id != graph_id]
@@ -213,6 +232,7 @@ class Report:
             dropped = f"; outputs returned as None: {list(record.dropped_outputs)}" if record.dropped_outputs else ""
             lines.append(f"graph {record.graph_id}: {stages}{dropped}")
         lines.extend(plan.summary() for plan in self.memory_plans)
+        lines.extend(self.kept_rows_summary())
         memory = self.memory_line()
         if memory is not None:
             lines.append(memory)

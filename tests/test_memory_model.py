@@ -110,15 +110,18 @@ def test_unknown_optimizer_is_an_error():
 @pytest.fixture(scope="module")
 def modes_on_two_ranks(workers):
     """saved_bytes_task of the three checkpoint modes on 2 ranks, per rank (run once for the module)."""
-    return workers.get(2).run(saved_bytes_task, {mode: {"checkpoint": mode} for mode in BUDGET_MODES})
+    return workers.get(2).run(saved_bytes_task, {mode: {"checkpoint": mode} for mode in BUDGET_MODES} | {
+        "selective_half": {"checkpoint": "selective", "checkpoint_keep": 0.5}})
 
 
 def test_saved_activations_match_the_runtime_in_every_mode(modes_on_two_ranks):
     for found in modes_on_two_ranks:
         _assert_saved_match(found)
         saved = {label: v[0] for label, v in found.items()}
-        # layers keep their inputs only; selective keeps the ring attention's output and LSE too
-        assert saved["layers"] < saved["selective"] < saved["none"], saved
+        # layers keep their inputs only; selective keeps the ring attention's output and LSE too, half of it with
+        # checkpoint_keep=0.5
+        assert saved["layers"] < saved["selective_half"] < saved["selective"] < saved["none"], saved
+        assert saved["selective_half"] - saved["layers"] == (saved["selective"] - saved["layers"]) // 2, saved
 
 
 def budget_task(rank, world_size, build, inputs_fn, seq_len, budgets, measure):

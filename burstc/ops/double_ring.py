@@ -44,7 +44,7 @@ def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Tw
     home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
     routes = DoubleRingRoutes(ring, _rows_between(False, layout, mask, local_len, ring, data, any_pair=True))
     lanes, arrivals = _Arrivals(home), _Arrivals(home)
-    lane, acc = home, _Accumulator(q_BHSD, mask)
+    lane, acc = home, _Accumulator(q_BHSD, mask, data)
     for j in range(nodes):
         nxt = j + 1
         sends, recvs, lane_runs, lane_arriving = (

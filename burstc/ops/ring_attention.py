@@ -26,6 +26,7 @@ masked row (its safe softmax), and HF's convention for padded rows.  The pieces:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -91,8 +92,11 @@ def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing | UlyssesRing:
 # ``chunk_owners`` ([C] int64): the call's chunk owners, given exactly for layout "documents" (burstc.layout).
 _MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None, int uniform_rows_keys=0, " \
                   "bool uniform_rows_score_grad=True, Tensor? chunk_owners=None"
+# ``query_rows`` >= 0 (forward only): only each rank's first ``query_rows`` query rows are computed (the others get
+# out 0, lse -inf) and only the key rows they see travel: a checkpoint's recompute of the rows it did not keep
+# (:mod:`burstc.kept_rows`).  Not differentiable.
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
-                  f" {_MASK_DATA_ARGS}) -> (Tensor, Tensor)"
+                  f" {_MASK_DATA_ARGS}, int query_rows=-1) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
                    f" str[] group_names, str layout, str mask, float scale, str plan, {_MASK_DATA_ARGS})" \
                    " -> (Tensor, Tensor, Tensor)"
@@ -135,12 +139,17 @@ def _mask_data(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None,
 def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_names: list[str], layout: str, mask: str,
                                scale: float, plan: str, doc_ids: Tensor | None = None,
                                key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
-                               uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
-                               ) -> tuple[Tensor, Tensor]:
+                               uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None,
+                               query_rows: int = -1) -> tuple[Tensor, Tensor]:
     # ``plan`` is unused here; it rides along so that the autograd context has it.
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     layout = resolve_layout(layout, chunk_owners, q.shape[2] * ring.size)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
+    if 0 <= query_rows < q.shape[2]:
+        if isinstance(ring, UlyssesRing) or uniform_rows_keys > 0:
+            raise NotImplementedError("a forward over the first query rows runs on a flat or double ring, with "
+                                      "hidden rows left at 0")
+        data = dataclasses.replace(data, query_rows=query_rows)
     out, lse = ring_forward(q, k, v, ring, layout, spec, scale, data)
     rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
     if rows is not None:
@@ -159,7 +168,7 @@ def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, 
 
 @_ring_attention_forward_op.register_fake
 def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None, uniform_rows_keys=0,
-      uniform_rows_score_grad=True, chunk_owners=None):
+      uniform_rows_score_grad=True, chunk_owners=None, query_rows=-1):
     batch, heads_q, local_len, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads_q, local_len), dtype=ACC_DTYPE)
 
@@ -192,7 +201,10 @@ def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, p
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *config, doc_ids, key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners = inputs
+    q, k, v, *config, doc_ids, key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, query_rows = inputs
+    if 0 <= query_rows < q.shape[2]:
+        raise NotImplementedError("ring_attention_forward with query_rows (a recompute of some rows) is not "
+                                  "differentiable")
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid, chunk_owners)
     ctx.config = tuple(config)  # (group_names, layout, mask, scale, plan)
@@ -203,7 +215,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, doc_ids, key_valid, chunk_owners = ctx.saved_tensors
     dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config,
                                                           doc_ids, key_valid, *ctx.uniform_rows, chunk_owners)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 _ring_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -50,8 +50,8 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
 from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
-                                   documents_sorted, intersect_runs, pairs_hidden_by_data, runs_length,
-                                   travelling_rows, valid_key_runs)
+                                   clip_query_rows, documents_sorted, intersect_runs, pairs_hidden_by_data,
+                                   runs_length, travelling_rows, union_runs, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
@@ -87,6 +87,9 @@ class MaskData:
 
     doc_ids_BS: Tensor | None = None
     key_valid_BS: Tensor | None = None
+    # a forward over each rank's first query rows only (a checkpoint's recompute of the rows it did not keep):
+    # the other rows get out 0, lse -inf, and only the key rows the first ones see travel; None: every row
+    query_rows: int | None = None
 
     def kernel_args(self) -> dict:
         return {"doc_ids_BS": self.doc_ids_BS, "key_valid_BS": self.key_valid_BS}
@@ -105,13 +108,21 @@ class MaskData:
 
 def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, ring: Ring,
                  data: MaskData) -> tuple[Block, ...]:
-    """The blocks of a pair with this call's data (:func:`data_blocks`), remembered for the call."""
-    if not mask.runtime_terms:
+    """The blocks of a pair with this call's data (:func:`data_blocks`), remembered for the call; with
+    ``data.query_rows``, their part on the first query rows (:func:`clip_query_rows`)."""
+    if not mask.runtime_terms and data.query_rows is None:
         return blocks(layout, mask, q_owner, kv_owner, local_len, ring.size)
     key = ("blocks", layout, mask, q_owner, kv_owner, local_len, ring.size)
     if key not in data.memo:
-        data.memo[key] = data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
-                                     packed_documents=data.packed_documents)
+        found = blocks(layout, mask, q_owner, kv_owner, local_len, ring.size) if not mask.runtime_terms else \
+            data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
+                        packed_documents=data.packed_documents)
+        if data.query_rows is not None:
+            seq_len = local_len * ring.size
+            found = clip_query_rows(found, data.query_rows, lambda: (
+                local_positions(seq_len, ring.size, q_owner, layout), local_positions(seq_len, ring.size, kv_owner,
+                                                                                      layout), mask.static_part))
+        data.memo[key] = found
     return data.memo[key]
 
 
@@ -124,7 +135,13 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
     ``ring`` needs ``size`` (and ``rank`` unless ``any_pair``)."""
     hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
                                   rank=None if any_pair else ring.rank)
-    if mask.term(Documents) is None or not data.packed_documents:
+    if data.query_rows is not None:
+        if queries_travel:
+            raise NotImplementedError("a forward over the first query rows has no backward")
+        # the key rows the receiver's first rows see: the union of its clipped blocks' keys (both sides derive them)
+        rows_between = functools.partial(_clipped_key_rows, layout, mask, local_len=local_len, ring=ring, data=data,
+                                         hidden_pairs=hidden)
+    elif mask.term(Documents) is None or not data.packed_documents:
         rows_between = functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
                                          world_size=ring.size, hidden_pairs=hidden)
     else:
@@ -146,6 +163,14 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
 
     return lambda receiver, sender: intersect_runs(rows_between(receiver=receiver, sender=sender),
                                                    valid_rows(sender))
+
+
+def _clipped_key_rows(layout: str, mask: MaskSpec, receiver: int, sender: int, local_len: int, ring: Ring,
+                      data: MaskData, hidden_pairs: frozenset) -> Runs:
+    if (receiver, sender) in hidden_pairs:
+        return ()
+    return union_runs([((b.kv_start, b.kv_stop),) for b in _pair_blocks(layout, mask, receiver, sender, local_len,
+                                                                         ring, data)])
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
@@ -267,10 +292,12 @@ def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, ar
 class _Accumulator:
     """A rank's running ``(out, lse)`` in fp32 over the blocks merged so far (None before the first)."""
 
-    def __init__(self, q_BHSD: Tensor, mask: MaskSpec):
+    def __init__(self, q_BHSD: Tensor, mask: MaskSpec, data: MaskData):
         self.out = self.lse = None
-        # runtime terms: rows may see nothing in a block, or anywhere; a window: the own pair is several blocks
-        self.starts_empty = bool(mask.runtime_terms) or mask.term(SlidingWindow) is not None
+        # runtime terms: rows may see nothing in a block, or anywhere; a window: the own pair is several blocks;
+        # a forward over the first rows: the others see nothing
+        self.starts_empty = bool(mask.runtime_terms) or mask.term(SlidingWindow) is not None or \
+            data.query_rows is not None
         if self.starts_empty:
             batch, heads_q, local_len, head_dim = q_BHSD.shape
             self.out = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
@@ -335,7 +362,7 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
     rows_between = _rows_between(False, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(kv_home)
     kv_cur = kv_home
-    acc = _Accumulator(q_BHSD, mask)
+    acc = _Accumulator(q_BHSD, mask, data)
     for step in range(size):
         sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
         requests = ring.post_between(sends, recvs, recorder, step)
