@@ -69,6 +69,8 @@ UNPADDED = ["tests/test_unpadded_mask.py"]
 E2E = ["tests/test_e2e_models.py"]
 IR = ["tests/test_attention_ir.py"]
 FLEX = ["tests/test_flex_attention.py"]
+KEPT_OP = ["tests/test_kept_rows.py", "-k", "first_rows or clipped"]
+KEPT_MODELS = ["tests/test_kept_rows.py", "-k", "matches_single_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +335,20 @@ MUTANTS = [
        "if op != \"forward\" and step - 1 >= 1:",
        "if op != \"forward\" and step - 1 >= 0:",
        "predicted transfers count a gradient return at the first step", PLANNER, SKIP_UNIT),
+    # --- checkpoint_keep: part of each attention's output kept ------------------------------------------------
+    _m("kept_rows_wrong_end", "burstc/kept_rows.py",
+       "(part, 2, rest, local_rows), fake_mode)",
+       "(part, 2, 0, kept_rows), fake_mode)",
+       "the forward keeps the first rows instead of the last (the backward concatenates them as the last)",
+       KEPT_MODELS),
+    _m("first_rows_forward_unrestricted", "burstc/ops/ring_attention.py",
+       "        data = dataclasses.replace(data, query_rows=query_rows)\n",
+       "        pass\n",
+       "the recompute's ring forward runs every row (right values, a whole forward's compute and bytes)", KEPT_OP),
+    _m("clip_causal_keeps_width", "burstc/block_geometry.py",
+       "width = min(rows, block.kv_stop - block.kv_start)",
+       "width = block.kv_stop - block.kv_start",
+       "a clipped causal block keeps its keys: the recompute sends key rows its first rows never see", KEPT_OP),
 ]
 
 

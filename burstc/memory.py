@@ -635,8 +635,19 @@ def explain_memory(*, model, report, mesh_shape, seq_len: int, batch: int, devic
 # memory_budget=: the checkpoint mode whose predicted peak fits
 
 BUDGET_MODES = ("none", "selective", "layers")
-"""Checkpoint modes in the order of their recomputation cost (none recomputes nothing, selective a layer's
-projections and MLP, layers the ring attention too): the budget takes the first that fits."""
+"""The ``checkpoint=`` modes in the order of their recomputation cost (none recomputes nothing, selective a layer's
+projections and MLP, layers the ring attention too)."""
+
+BUDGET_KEEP_FRACTIONS = (0.75, 0.5, 0.25)
+PLANNED_MODES = ("none", "selective") + tuple(f"selective:{f}" for f in BUDGET_KEEP_FRACTIONS) + ("layers",)
+"""What ``memory_budget=`` tries, cheapest recomputation first, and takes the first that fits: ``"selective:f"`` is
+``checkpoint="selective", checkpoint_keep=f`` (the ring recomputed for the rows not kept, :mod:`burstc.kept_rows`)."""
+
+
+def mode_options(mode: str) -> str:
+    """A planned mode as the options that give it: ``checkpoint='selective', checkpoint_keep=0.5``."""
+    base, _, keep = mode.partition(":")
+    return f"checkpoint={base!r}" + (f", checkpoint_keep={keep}" if keep else "")
 
 
 @dataclasses.dataclass
@@ -646,9 +657,10 @@ class MemoryPlan:
 
     graph_id: int
     budget: int
-    mode: str
+    mode: str  # one of PLANNED_MODES
     predicted: dict
     fits: bool
+    kept: tuple = ()  # the chosen mode's burstc.kept_rows.KeptRows (a "selective:f" mode)
 
     def summary(self) -> str:
         from burstc.report import _fmt_bytes
@@ -656,10 +668,10 @@ class MemoryPlan:
         modes = ", ".join(f"{m} {_fmt_bytes(b)}" for m, b in self.predicted.items())
         if self.fits:
             chosen = _fmt_bytes(self.predicted[self.mode])
-            return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: checkpoint="
-                    f"{self.mode!r} chosen, predicted peak {chosen} (predicted: {modes})")
+            return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: "
+                    f"{mode_options(self.mode)} chosen, predicted peak {chosen} (predicted: {modes})")
         return (f"graph {self.graph_id}: memory_budget {_fmt_bytes(self.budget)} per rank: no checkpoint mode fits "
-                f"(predicted: {modes}); running checkpoint={self.mode!r}, the least memory")
+                f"(predicted: {modes}); running {mode_options(self.mode)}, the least memory")
 
 
 def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
@@ -688,16 +700,25 @@ def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
 def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
                             backend: str, world_size: int, parameters: int, buffers: int, graph_id: int):
     """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
-    :data:`BUDGET_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
+    :data:`PLANNED_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
     return the first mode's (forward, backward) that fits, else the least memory's; and the
     :class:`MemoryPlan`."""
-    partitions, predicted = {}, {}
-    for mode in BUDGET_MODES:
-        partitions[mode] = partition(_mode_tags(joint, mode), joint_inputs, **partition_kwargs)
+    from burstc.kept_rows import keep_attention_rows, retag_for_recompute
+
+    partitions, predicted, kept = {}, {}, {}
+    for mode in PLANNED_MODES:
+        base, _, keep = mode.partition(":")
+        tagged = _mode_tags(joint, base)
+        if keep and not retag_for_recompute(tagged):
+            continue  # no attention whose output can be kept in part
+        partitions[mode] = partition(tagged, joint_inputs, **partition_kwargs)
+        if keep:
+            kept[mode] = tuple(keep_attention_rows(*partitions[mode], float(keep), partition_kwargs["num_fwd_outputs"],
+                                                   world_size))
         estimate = predict_graphs([(*partitions[mode], world_size)], backend=backend, parameters=parameters,
                                   buffers=buffers)
         predicted[mode] = estimate.peak
         if estimate.peak <= budget:
-            return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=True)
-    mode = min(BUDGET_MODES, key=lambda m: (predicted[m], BUDGET_MODES.index(m)))
-    return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=False)
+            return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=True, kept=kept.get(mode, ()))
+    mode = min(predicted, key=lambda m: (predicted[m], PLANNED_MODES.index(m)))
+    return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=False, kept=kept.get(mode, ()))

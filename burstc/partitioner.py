@@ -41,6 +41,7 @@ class BurstPartitioner(CustomPartitionerFn):
         graphs, plan = partition_within_budget(min_cut_rematerialization_partition, joint_gm, joint_inputs,
                                                kwargs, **facts)
         report.add_memory_plan(plan)
+        report.set_kept_rows(plan.graph_id, list(plan.kept))
         return graphs
 
     def uuid(self) -> Any:

@@ -10,7 +10,7 @@ import torch
 
 from burstc import layout as layouts
 from burstc.attention_ir import Documents, MaskSpec, SlidingWindow
-from burstc.block_geometry import blocks, clip_query_rows
+from burstc.block_geometry import blocks, clip_query_rows, first_rows_key_rows
 from burstc.ops import ring_attention as ra
 from burstc.planner import predicted_first_rows_forward, predicted_transfers
 
@@ -96,6 +96,21 @@ def test_clipped_blocks_cover_exactly_the_first_rows_visible_entries(layout, mas
                 # every visible entry of the first rows in exactly one block; counts as the blocks say
                 assert bool((covered[visible] == 1).all()) and int(covered.max()) <= 1
                 assert sum(b.score_entries for b in found) == int(visible.sum())
+                if mask.term(SlidingWindow) is None:  # closed-form blocks: exactly the keys the first rows see travel
+                    travelling = first_rows_key_rows(layout, mask, query_rows, q_owner, kv_owner, local_len,
+                                                     world_size)
+                    assert travelling == _runs(visible.any(0)), (query_rows, q_owner, kv_owner, travelling)
+
+
+def _runs(flags):
+    runs, start = [], None
+    for i, flag in enumerate(flags.tolist() + [False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            runs.append((start, i))
+            start = None
+    return tuple(runs)
 
 
 # -- the graphs: checkpoint="selective" with checkpoint_keep < 1 ---------------------------------------------------

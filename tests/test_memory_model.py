@@ -7,7 +7,7 @@ import torch
 
 import burstc
 import burstc.memory
-from burstc.memory import BUDGET_MODES, exact_cpu_peaks, measure_peak
+from burstc.memory import BUDGET_MODES, PLANNED_MODES, exact_cpu_peaks, measure_peak
 from burstc.testing import zoo
 
 MIB = 2**20
@@ -110,8 +110,13 @@ def test_unknown_optimizer_is_an_error():
 @pytest.fixture(scope="module")
 def modes_on_two_ranks(workers):
     """saved_bytes_task of the three checkpoint modes on 2 ranks, per rank (run once for the module)."""
-    return workers.get(2).run(saved_bytes_task, {mode: {"checkpoint": mode} for mode in BUDGET_MODES} | {
-        "selective_half": {"checkpoint": "selective", "checkpoint_keep": 0.5}})
+    return workers.get(2).run(saved_bytes_task, {mode: mode_options(mode) for mode in PLANNED_MODES})
+
+
+def mode_options(mode):
+    """A planned mode (``"selective:0.5"``) as burstc.compile options."""
+    base, _, keep = mode.partition(":")
+    return {"checkpoint": base} | ({"checkpoint_keep": float(keep)} if keep else {})
 
 
 def test_saved_activations_match_the_runtime_in_every_mode(modes_on_two_ranks):
@@ -120,8 +125,9 @@ def test_saved_activations_match_the_runtime_in_every_mode(modes_on_two_ranks):
         saved = {label: v[0] for label, v in found.items()}
         # layers keep their inputs only; selective keeps the ring attention's output and LSE too, half of it with
         # checkpoint_keep=0.5
-        assert saved["layers"] < saved["selective_half"] < saved["selective"] < saved["none"], saved
-        assert saved["selective_half"] - saved["layers"] == (saved["selective"] - saved["layers"]) // 2, saved
+        assert saved["layers"] < saved["selective:0.25"] < saved["selective:0.5"] < saved["selective:0.75"] \
+            < saved["selective"] < saved["none"], saved
+        assert saved["selective:0.5"] - saved["layers"] == (saved["selective"] - saved["layers"]) // 2, saved
 
 
 def budget_task(rank, world_size, build, inputs_fn, seq_len, budgets, measure):
@@ -152,10 +158,10 @@ def budget_task(rank, world_size, build, inputs_fn, seq_len, budgets, measure):
 
     modes = {}
     if any(isinstance(b, tuple) for b in budgets):
-        for mode in BUDGET_MODES:
-            report, measured = step(checkpoint=mode)
+        for mode in PLANNED_MODES:
+            report, measured = step(**mode_options(mode))
             modes[mode] = (report.memory.peak, report.memory.step_peak, measured)
-    peaks = sorted(p for p, _, _ in modes.values())
+    peaks = sorted(modes[m][0] for m in BUDGET_MODES if m in modes)  # a budget (weights) places itself among these
     chosen = []
     for budget in budgets:
         if isinstance(budget, tuple):
@@ -183,7 +189,7 @@ def _check_choices(chosen, direct_peaks):
     """Each budget ran the first mode in recompute order whose predicted peak fits, else the least memory;
     a mode's prediction under the budget is that of compiling it directly (within 5%)."""
     for budget, mode, fits, predicted, peak, _ in chosen:
-        fitting = [m for m in BUDGET_MODES if m in predicted and predicted[m] <= budget]
+        fitting = [m for m in PLANNED_MODES if m in predicted and predicted[m] <= budget]
         assert fits == bool(fitting) and peak == predicted[mode]
         assert mode == (fitting[0] if fitting else min(predicted, key=predicted.get)), (budget, predicted)
         for m, p in predicted.items():
@@ -192,7 +198,7 @@ def _check_choices(chosen, direct_peaks):
 
 def test_memory_budget_picks_the_mode_that_fits(workers, modes_on_two_ranks):
     found = modes_on_two_ranks[0]
-    peaks = {mode: found[mode][4] for mode in BUDGET_MODES}
+    peaks = {mode: found[mode][4] for mode in PLANNED_MODES}
     low = min(peaks["selective"], peaks["layers"])
     assert peaks["none"] > max(peaks["selective"], peaks["layers"]), peaks
     budgets = [2 * peaks["none"], (peaks["none"] + max(peaks["selective"], peaks["layers"])) // 2, low // 2]
@@ -200,7 +206,7 @@ def test_memory_budget_picks_the_mode_that_fits(workers, modes_on_two_ranks):
         _check_choices(chosen, peaks)
         assert [(c[1], c[2]) for c in chosen] == [
             ("none", True), ("selective" if peaks["selective"] <= budgets[1] else "layers", True),
-            (min(("selective", "layers"), key=peaks.get), False)], chosen
+            (min(PLANNED_MODES[1:], key=peaks.get), False)], chosen
 
 
 def titan_inputs_any_length(seq_len):

@@ -66,17 +66,18 @@ from burstc import layout as layouts
 from burstc.bench.peers import TorchRing, allgather_kv_attention, peer_bytes
 from burstc.testing import WorkerGroup
 
-ROWS = ("burstc", "burstc_selective", "burstc_layers", "burstc_torch_budget", "torch_ring", "allgather_kv",
-        "lucidrains_zigzag", "eager", "compile", "compile_budget")
-BURSTC_ROWS = ("burstc", "burstc_selective", "burstc_layers", "burstc_torch_budget")
+ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget", "torch_ring",
+        "allgather_kv", "lucidrains_zigzag", "eager", "compile", "compile_budget")
+BURSTC_ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget")
 # the checkpointing comparison (issue 18): burstc's modes, and torch's own activation_memory_budget on the same
 # sharded model; not run by default (``--rows`` names them)
-CHECKPOINT_ROWS = ("burstc_layers", "burstc_torch_budget")
+CHECKPOINT_ROWS = ("burstc_selective_half", "burstc_layers", "burstc_torch_budget")
 DEFAULT_ROWS = tuple(row for row in ROWS if row not in CHECKPOINT_ROWS)
 SHARDED_PEERS = ("torch_ring", "allgather_kv", "lucidrains_zigzag")
 ONE_PROCESS = ("eager", "compile", "compile_budget")
 LABELS = {
     "burstc": "burstc (defaults)", "burstc_selective": "burstc checkpoint=selective",
+    "burstc_selective_half": "burstc checkpoint=selective, checkpoint_keep=0.5",
     "burstc_layers": "burstc checkpoint=layers",
     "burstc_torch_budget": "burstc + torch activation_memory_budget",
     "torch_ring": "torch ring (head-tail)", "allgather_kv": "all-gather K/V (Llama-3)",
@@ -241,8 +242,10 @@ def _make_step(case: Case, rank: int, world_size: int):
         model = build_model(case.shape, case.seq_len, case.seed)
         mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
         options = {} if case.burstc_backend == "inductor" else {"backend": case.burstc_backend}  # inductor: the default
-        if case.row in ("burstc_selective", "burstc_layers"):
-            options["checkpoint"] = case.row.removeprefix("burstc_")
+        if case.row in ("burstc_selective", "burstc_selective_half", "burstc_layers"):
+            options["checkpoint"] = case.row.removeprefix("burstc_").removesuffix("_half")
+        if case.row == "burstc_selective_half":
+            options["checkpoint_keep"] = 0.5
         if case.row == "burstc_torch_budget":  # torch's min-cut partitioner under a budget, burstc's defaults else
             context = functools.partial(torch._functorch.config.patch, activation_memory_budget=case.budget)
         with context() if context is not None else contextlib.nullcontext():
@@ -796,7 +799,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the sharded rows")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS),
-                        help="default: all but the checkpointing comparison's burstc_layers, burstc_torch_budget")
+                        help="default: all but the checkpointing comparison's rows (" + ", ".join(CHECKPOINT_ROWS)
+                        + ")")
     parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up step")
     parser.add_argument("--dim", type=int, default=ModelShape.dim)
     parser.add_argument("--layers", type=int, default=ModelShape.layers)
