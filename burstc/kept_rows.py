@@ -4,8 +4,8 @@
 ``checkpoint_keep=1`` keeps every local row's (O, LSE) and the backward's recompute never runs the ring.  With
 ``f < 1`` each attention keeps the last ``round(f * s)`` of its ``s`` local rows (local order is increasing global
 order in every layout, so under a causal mask those are the costliest rows: they see the most keys) and the
-recompute runs the ring forward for the first ``s - kept`` rows only (``query_rows``): their compute, and only the
-key rows they see travel.  Zigzag at ``f = 0.5`` keeps each rank's late chunk: the recompute computes the early
+recompute runs the ring forward for the first ``s - kept`` rows only (``query_rows``: it returns just those rows):
+their compute, and only the key rows they see travel.  Zigzag at ``f = 0.5`` keeps each rank's late chunk: the recompute computes the early
 chunks, which see the earlier ranks' early halves only (a third of a forward's bytes, a quarter of its work).
 Memory kept per attention: ``B * Hq * kept * (D + 1)`` values (O in its dtype, LSE fp32) instead of
 ``B * Hq * s * (D + 1)``.
@@ -13,7 +13,8 @@ Memory kept per attention: ``B * Hq * kept * (D + 1)`` values (O in its dtype, L
 Torch's selective checkpointing saves or recomputes whole ops, so this is a rewrite of the partitioned graphs
 (:func:`keep_attention_rows`): the joint graph is partitioned with the ring recomputed (as ``"layers"``), then the
 forward graph also returns a copy of each attention's kept rows (new saved values, first among them) and in the
-backward graph the recomputed ring call computes only the other rows and is concatenated with the kept ones."""
+backward graph the recomputed ring call computes only the other rows and is concatenated with the kept ones (the
+backward's transient: the first rows' output, then the whole again, as the forward had it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -138,14 +139,17 @@ def keep_attention_rows(fw: fx.GraphModule, bw: fx.GraphModule, keep: float, num
         saved_out.meta["val"], saved_lse.meta["val"] = kept_out.meta["val"], kept_lse.meta["val"]
         ring.kwargs = {**ring.kwargs, _QUERY_ROWS: rest}
         bw_out, bw_lse = _outputs(ring)
-        users = {node: list(node.users) for node in (bw_out, bw_lse)}  # before the slices below add theirs
+        whole = {node: node.meta["val"] for node in (bw_out, bw_lse)}
+        with fake_mode:  # the narrowed call returns its first rows only
+            narrowed = tuple(t.narrow(2, 0, rest).clone() for t in ring.meta["val"])
+        ring.meta["val"], bw_out.meta["val"], bw_lse.meta["val"] = narrowed, *narrowed
+        users = {node: list(node.users) for node in (bw_out, bw_lse)}  # before the cats below add theirs
         merged = {}
         with _after(bw.graph, bw_out, bw_lse):
             for part, saved in ((bw_out, saved_out), (bw_lse, saved_lse)):
                 # the recomputed first rows, then the kept ones: the forward's (out, lse) again
-                first = _call(bw.graph, aten.slice.Tensor, (part, 2, 0, rest), fake_mode)
-                merged[part] = bw.graph.call_function(aten.cat.default, ([first, saved], 2))
-                merged[part].meta["val"] = part.meta["val"]
+                merged[part] = bw.graph.call_function(aten.cat.default, ([part, saved], 2))
+                merged[part].meta["val"] = whole[part]
         for part, cat in merged.items():
             for user in users[part]:
                 user.replace_input_with(part, cat)

@@ -93,6 +93,15 @@ def test_flex_fraction_zero_keeps_earlier_seeds():
                for c in _draw_cases(40, seed=11, flex_fraction=0.5)) >= 10
 
 
+def test_checkpoint_fraction_zero_keeps_earlier_seeds():
+    """Drawing no checkpointing consumes no randomness; drawn, it covers every mode and kept fraction."""
+    assert _draw_cases(20, seed=11, checkpoint_fraction=0.0) == _draw_cases(20, seed=11)
+    drawn = [dict(c.options) for c in _draw_cases(200, seed=11, checkpoint_fraction=0.5)]
+    assert {o.get("checkpoint") for o in drawn} == {None, "layers", "selective"}
+    assert {o["checkpoint_keep"] for o in drawn if "checkpoint_keep" in o} == set(fuzz.KEEP_FRACTIONS)
+    assert all(o.get("checkpoint") == "selective" for o in drawn if "checkpoint_keep" in o)
+
+
 def test_generator_respects_feature_rules():
     for case in _draw_cases(300, seed=3, hf_fraction=0.0):
         m = case.model
@@ -264,7 +273,7 @@ def test_mixtures_of_experts_are_compared_in_fp32_only():
 def test_a_resumed_run_runs_the_same_cases_and_logs_each(tmp_path):
     # a long run split in parts (--start) must run exactly the cases one uninterrupted run would
     rng = random.Random(5)
-    expected = [generate_case(RandomDraw(rng), (1,), 0.3, False, 0.1) for _ in range(3)]
+    expected = [generate_case(RandomDraw(rng), (1,), 0.3, False, 0.1, 0.1) for _ in range(3)]
     assert fuzz.main(["--cases", "3", "--start", "2", "--seed", "5", "--ranks", "1", "--out", str(tmp_path)]) == 0
     lines = (tmp_path / "cases-5.jsonl").read_text().splitlines()
     assert len(lines) == 1

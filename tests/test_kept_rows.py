@@ -1,8 +1,8 @@
 """A selective checkpoint that keeps part of each attention's output (``checkpoint_keep=``): the ring forward over
 each rank's first query rows (the recompute of the rows not kept) and the rewrite of the partitioned graphs.
 
-The op: rows ``[0, query_rows)`` equal the full forward's rows, the rest are out 0 / lse -inf, and the bytes it
-sends are the planner's prediction (and fewer than a full forward's when the rows seen are fewer)."""
+The op: it returns rows ``[0, query_rows)``, equal to the full forward's, and the bytes it sends are the planner's
+prediction (and fewer than a full forward's when the rows seen are fewer)."""
 from __future__ import annotations
 
 import pytest
@@ -34,10 +34,9 @@ def _first_rows(rank, world_size, layout, mask_code, local_len, query_rows, seed
             part_out, part_lse = torch.ops.burstc.ring_attention_forward(shard(q), shard(k), shard(v), *args,
                                                                          query_rows)
     call = stats.calls[-1]
-    return {"out": float((part_out[:, :, :query_rows] - out[:, :, :query_rows]).abs().max()),
-            "lse": float((part_lse[:, :, :query_rows] - lse[:, :, :query_rows]).abs().max()),
-            "rest_zero": bool((part_out[:, :, query_rows:] == 0).all()),
-            "rest_lse_neg_inf": bool((part_lse[:, :, query_rows:] == float("-inf")).all()),
+    return {"out": float((part_out - out[:, :, :query_rows]).abs().amax().item() if part_out.numel() else 0.0),
+            "lse": float((part_lse - lse[:, :, :query_rows]).abs().amax().item() if part_out.numel() else 0.0),
+            "shapes": (tuple(part_out.shape), tuple(part_lse.shape)),
             "finite": bool(part_out.isfinite().all()),
             "received": call.bytes_received_per_step, "sent": call.bytes_sent_per_step}
 
@@ -63,7 +62,7 @@ def test_first_rows_forward_matches_and_sends_the_predicted_bytes(workers, world
                                torch.float32)["forward"]
     for rank, r in enumerate(results):
         assert r["out"] < 1e-5 and r["lse"] < 1e-5, (rank, r)
-        assert r["rest_zero"] and r["rest_lse_neg_inf"] and r["finite"], (rank, r)
+        assert r["shapes"] == ((B, HQ, query_rows, D), (B, HQ, query_rows)) and r["finite"], (rank, r)
         if mask.runtime_terms:  # the data can hide a pair the static prediction sends (an upper bound)
             assert sum(r["received"]) <= sum(predicted.received_per_step[rank]), rank
         else:

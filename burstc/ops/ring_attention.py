@@ -92,9 +92,9 @@ def _ring_of(group_names: Sequence[str]) -> Ring | TwoLevelRing | UlyssesRing:
 # ``chunk_owners`` ([C] int64): the call's chunk owners, given exactly for layout "documents" (burstc.layout).
 _MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None, int uniform_rows_keys=0, " \
                   "bool uniform_rows_score_grad=True, Tensor? chunk_owners=None"
-# ``query_rows`` >= 0 (forward only): only each rank's first ``query_rows`` query rows are computed (the others get
-# out 0, lse -inf) and only the key rows they see travel: a checkpoint's recompute of the rows it did not keep
-# (:mod:`burstc.kept_rows`).  Not differentiable.
+# ``query_rows`` in [0, S_local) (forward only): only each rank's first ``query_rows`` query rows are computed and
+# returned (out ``[B, Hq, query_rows, D]``), and only the key rows they see travel: a checkpoint's recompute of the
+# rows it did not keep (:mod:`burstc.kept_rows`).  Not differentiable.
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
                   f" {_MASK_DATA_ARGS}, int query_rows=-1) -> (Tensor, Tensor)"
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
@@ -169,8 +169,9 @@ def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, 
 @_ring_attention_forward_op.register_fake
 def _(q, k, v, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None, uniform_rows_keys=0,
       uniform_rows_score_grad=True, chunk_owners=None, query_rows=-1):
-    batch, heads_q, local_len, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads_q, local_len), dtype=ACC_DTYPE)
+    batch, heads_q, local_len, head_dim = q.shape
+    rows = query_rows if 0 <= query_rows < local_len else local_len
+    return q.new_empty((batch, heads_q, rows, head_dim)), q.new_empty((batch, heads_q, rows), dtype=ACC_DTYPE)
 
 
 @torch.library.custom_op("burstc::ring_attention_backward", mutates_args=(), schema=_BACKWARD_SCHEMA)

@@ -87,8 +87,8 @@ class MaskData:
 
     doc_ids_BS: Tensor | None = None
     key_valid_BS: Tensor | None = None
-    # a forward over each rank's first query rows only (a checkpoint's recompute of the rows it did not keep):
-    # the other rows get out 0, lse -inf, and only the key rows the first ones see travel; None: every row
+    # a forward over each rank's first query rows only (a checkpoint's recompute of the rows it did not keep): the
+    # result holds just those rows, and only the key rows they see travel; None: every row
     query_rows: int | None = None
 
     def kernel_args(self) -> dict:
@@ -300,6 +300,8 @@ class _Accumulator:
             data.query_rows is not None
         if self.starts_empty:
             batch, heads_q, local_len, head_dim = q_BHSD.shape
+            if data.query_rows is not None:  # only the first rows: the result holds just them
+                local_len = data.query_rows
             self.out = torch.zeros(batch, heads_q, local_len, head_dim, dtype=ACC_DTYPE, device=q_BHSD.device)
             self.lse = torch.full((batch, heads_q, local_len), float("-inf"), dtype=ACC_DTYPE, device=q_BHSD.device)
 

@@ -255,13 +255,23 @@ def _draw_layouts(layouts) -> None:
     LAYOUTS = tuple(layouts)
 
 
-def generate_options(d, world_size: int, allow_inductor: bool = False) -> tuple[tuple, tuple | None]:
+KEEP_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoint_fraction: float = 0.0
+                     ) -> tuple[tuple, tuple | None]:
+    """``checkpoint_fraction``: share of cases with burstc's checkpointing (``"layers"``, ``"selective"``, half of
+    the selective ones keeping part of each attention's output); 0 draws nothing for it (earlier seeds stay)."""
     backend = "inductor" if allow_inductor and d.boolean(0.05) else "aot_eager"
     options = [("backend", backend), ("layout", d.choice(LAYOUTS)), ("attention_plan", d.choice(PLANS))]
     if d.boolean(0.3):
         options.append(("lm_head_chunk_size", d.integer(1, 40)))
     if d.boolean(0.2):
         options.append(("check_inputs", False))
+    if checkpoint_fraction and d.boolean(checkpoint_fraction):
+        options.append(("checkpoint", d.choice(["layers", "selective"])))
+        if options[-1][1] == "selective" and d.boolean(0.5):
+            options.append(("checkpoint_keep", d.choice(KEEP_FRACTIONS)))
     alternative = None
     if world_size > 1 and d.boolean(0.4):
         layout = d.choice([x for x in LAYOUTS if x != dict(options)["layout"]])
@@ -272,15 +282,16 @@ def generate_options(d, world_size: int, allow_inductor: bool = False) -> tuple[
 
 
 def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
-                  flex_fraction: float = 0.0) -> Case:
-    """``flex_fraction``: share of FlexAttention models; 0 draws nothing for it (earlier seeds stay the same)."""
+                  flex_fraction: float = 0.0, checkpoint_fraction: float = 0.0) -> Case:
+    """``flex_fraction``: share of FlexAttention models; ``checkpoint_fraction``: of cases with burstc's
+    checkpointing; 0 draws nothing for either (earlier seeds stay the same)."""
     world_size = d.choice(list(world_sizes))
     if flex_fraction and d.boolean(flex_fraction):
         model = generate_flex_spec(d)
     else:
         model = generate_hf_spec(d) if d.boolean(hf_fraction) else generate_model_spec(d)
     inputs = generate_input_spec(d, world_size, model)
-    options, alternative = generate_options(d, world_size, allow_inductor)
+    options, alternative = generate_options(d, world_size, allow_inductor, checkpoint_fraction)
     precision = "fp32" if d.boolean(0.8) else d.choice(["bf16", "autocast"])
     if _routes_tokens(model):
         # a router's top-k is discontinuous: in bf16 a last-bit difference in its input (another attention kernel,
@@ -614,6 +625,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-fraction", type=float, default=0.3, help="share of cases drawn from HF architectures")
     parser.add_argument("--inductor", action="store_true", help="draw backend='inductor' in 5%% of cases")
     parser.add_argument("--flex-fraction", type=float, default=0.1, help="share of FlexAttention models")
+    parser.add_argument("--checkpoint-fraction", type=float, default=0.1,
+                        help="share of cases with burstc's checkpointing (layers, selective, selective keeping part)")
     parser.add_argument("--out", default="fuzz-out", help="folder for reproducers and the JSON summary")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
     parser.add_argument("--reduce-tries", type=int, default=10, help="reruns spent reducing each failure")
@@ -638,7 +651,7 @@ def main(argv=None) -> int:
     with WorkerPool(run_timeout_s=args.timeout) as pool, case_log:
         for n in range(args.cases):
             case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor,
-                                 args.flex_fraction)
+                                 args.flex_fraction, args.checkpoint_fraction)
             if n < args.start:
                 continue
             case_start = time.time()
