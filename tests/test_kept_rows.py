@@ -17,7 +17,7 @@ from burstc.planner import predicted_first_rows_forward, predicted_transfers
 B, HQ, HKV, D = 2, 4, 2, 8
 
 
-def _first_rows(rank, world_size, layout, mask_code, local_len, query_rows, seed):
+def _first_rows(rank, world_size, layout, mask_code, local_len, query_rows, seed, double_ring=False):
     gen = torch.Generator().manual_seed(seed)
     seq_len = local_len * world_size
     q, k, v = (torch.randn(B, h, seq_len, D, generator=gen) for h in (HQ, HKV, HKV))
@@ -26,7 +26,12 @@ def _first_rows(rank, world_size, layout, mask_code, local_len, query_rows, seed
     if mask.term(Documents) is not None:
         doc_ids = torch.cat([torch.full((seq_len // 3,), 0), torch.full((seq_len - seq_len // 3,), 1)]).repeat(B, 1)
     shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
-    args = ([ra.resolve_ring_groups(None)[0], layout, mask.encode(), D ** -0.5, "kv_ring", doc_ids, None, 0, True,
+    group = None
+    if double_ring:  # 2 nodes x 2 ranks: the double ring's lanes relay the first rows' keys too
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = init_device_mesh("cpu", (2, world_size // 2))
+    args = ([ra.resolve_ring_groups(group)[0], layout, mask.encode(), D ** -0.5, "kv_ring", doc_ids, None, 0, True,
              None])
     with torch.no_grad():
         out, lse = torch.ops.burstc.ring_attention_forward(shard(q), shard(k), shard(v), *args)
@@ -72,6 +77,14 @@ def test_first_rows_forward_matches_and_sends_the_predicted_bytes(workers, world
         # rank r's early half sees only the r earlier ranks' early halves, where the full forward receives those and
         # the P - 1 - r later ranks' whole shards: a third of the bytes, on any P
         assert 0 < 3 * sum(predicted.received) == sum(full.received)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mask_code", ["causal", "causal&window(5,-)"])
+def test_first_rows_forward_on_a_double_ring(workers, mask_code):
+    for rank, r in enumerate(workers.get(4).run(_first_rows, "zigzag", mask_code, 6, 2, 3, True)):
+        assert r["out"] < 1e-5 and r["lse"] < 1e-5 and r["finite"], (rank, r)
+        assert r["shapes"] == ((B, HQ, 2, D), (B, HQ, 2)), (rank, r)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
