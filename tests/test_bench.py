@@ -206,3 +206,25 @@ def test_checkpoint_targets_from_the_rows_that_ran():
     assert versus["step_ratio"] == pytest.approx(950 / 650) and versus["peak_ratio"] == pytest.approx(100 / 110)
     assert "torch_ring" not in goal
     assert end_to_end.checkpoint_targets({"torch_ring": results["torch_ring"]}) == {}
+
+
+def test_pareto_frontier_keeps_the_points_nothing_beats():
+    points = [(1.0, 300, "none"), (1.02, 200, "selective"), (1.1, 210, "half"), (1.2, 190, "layers"),
+              (1.3, 400, "budget")]
+    assert [p[2] for p in end_to_end.pareto_frontier(points)] == ["none", "selective", "layers"]
+    assert end_to_end.pareto_frontier([]) == []
+
+
+def test_checkpoint_pareto_plot(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    cell = lambda step, peak: {"step_s": step, "peak_mib_per_rank": peak}  # noqa: E731
+    report = {"config": {"ranks": 2}, "results": {
+        "burstc": {"by_seq_len": {1024: cell(1.0, 300), 2048: cell(2.0, 500)}},
+        "burstc_selective": {"by_seq_len": {1024: cell(1.02, 200), 2048: cell(2.1, 320)}},
+        "torch_ring": {"by_seq_len": {1024: cell(0.5, 100)}}}}  # a peer: not a checkpoint row
+    fig = end_to_end.checkpoint_pareto(report, plt)
+    ax = fig.axes[0]
+    assert len(ax.collections) == 4 and len(ax.lines) == 2  # 2 rows x 2 lengths, one frontier per length
+    plt.close(fig)
+    assert end_to_end.checkpoint_pareto({"config": {"ranks": 2}, "results": {"burstc": report["results"]["burstc"]}},
+                                        plt) is None

@@ -718,7 +718,48 @@ def plots(report: dict, directory: Path) -> list[Path]:
         fig.savefig(directory / filename, dpi=110)
         plt.close(fig)
         written.append(directory / filename)
+    pareto = checkpoint_pareto(report, plt)
+    if pareto is not None:
+        pareto.savefig(directory / "bench-checkpoint-pareto.png", dpi=110)
+        plt.close(pareto)
+        written.append(directory / "bench-checkpoint-pareto.png")
     return written
+
+
+def pareto_frontier(points: list[tuple]) -> list[tuple]:
+    """The ``(time, memory, ...)`` points no other point beats on both (at least as fast and as small, and
+    different), by time."""
+    return sorted((p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)),
+                  key=lambda p: p[0])
+
+
+def checkpoint_pareto(report: dict, plt):
+    """Peak memory against step time of burstc's checkpoint rows (and torch's budget on the same model), one
+    marker per row and sequence length, the frontier per length drawn: the points no other point beats on both.
+    None unless at least two of those rows ran."""
+    rows = {name: report["results"][name] for name in BURSTC_ROWS
+            if report["results"].get(name, {}).get("by_seq_len")}
+    if len(rows) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    seq_lens = sorted({s for row in rows.values() for s in row["by_seq_len"]})
+    markers = dict(zip(BURSTC_ROWS, "osD^v"))
+    for color, seq_len in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], seq_lens):
+        points = [(row["by_seq_len"][seq_len]["step_s"], row["by_seq_len"][seq_len]["peak_mib_per_rank"], name)
+                  for name, row in rows.items() if seq_len in row["by_seq_len"]]
+        for step, peak, name in points:
+            ax.scatter(step, peak, color=color, marker=markers[name], s=45,
+                       label=f"{LABELS[name]}" if seq_len == seq_lens[0] else None)
+        frontier = pareto_frontier(points)
+        ax.plot([p[0] for p in frontier], [p[1] for p in frontier], "-", color=color, lw=1,
+                label=f"S = {seq_len}: frontier")
+    ax.set_xlabel("step time per rank (s)")
+    ax.set_ylabel("peak memory per rank (MiB)")
+    ax.set_title(f"checkpointing: memory against time, P={report['config']['ranks']} gloo ranks (CPU)")
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def sweep(rows: list[str], seq_lens: list[int], args, shape: ModelShape, peak_flops: float,
