@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = ("none", "selective", "layers")
+from burstc.memory import PLANNED_MODES as MODES  # "selective:0.5": checkpoint_keep=0.5
+
 MIB = 2**20
 
 
@@ -59,7 +60,9 @@ def _rank(rank, world_size, args, seq_len, budgets, port, out):
     mesh = init_device_mesh("cpu", (world_size,))
     peaks = {}
     for mode in MODES:
-        measured, estimate, _ = _measured_step(args, seq_len, mesh, checkpoint=mode)
+        base, _, keep = mode.partition(":")
+        measured, estimate, _ = _measured_step(args, seq_len, mesh, checkpoint=base,
+                                               **({"checkpoint_keep": float(keep)} if keep else {}))
         peaks[mode] = estimate.peak
         out.put(("mode", seq_len, mode, rank, measured, estimate.step_peak, estimate.peak,
                  estimate.saved_total, f"{estimate.peak_phase} `{estimate.peak_node}`"))

@@ -80,8 +80,14 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(stage_gm, stage_inputs, *args, **kwargs):
-        run_passes = run_backward if kwargs.get("is_backward") else run_forward
-        return compile_fx_inner(run_passes(stage_gm), stage_inputs, *args, **kwargs)
+        from burstc.memory import inductor_schedule
+
+        stage = "backward" if kwargs.get("is_backward") else "forward"
+        run_passes = run_backward if stage == "backward" else run_forward
+        with inductor_schedule() as schedule:  # the memory model replays the graph in this order
+            compiled = compile_fx_inner(run_passes(stage_gm), stage_inputs, *args, **kwargs)
+        record.schedules[stage] = schedule
+        return compiled
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile,

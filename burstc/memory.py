@@ -205,17 +205,62 @@ class _Storages:
         self.counted: set[tuple] = set()  # allocated by the step (not the caller's parameters and inputs)
 
 
+@contextlib.contextmanager
+def inductor_schedule() -> Iterator[dict[str, int]]:
+    """While Inductor compiles a graph inside, fill the yielded dict with the order its scheduler runs the graph's
+    FX nodes in: node name -> position of the first kernel that computes it (after fusion and Inductor's own
+    reordering, which runs some weight-gradient matmuls later than the FX order and so keeps what they read alive
+    longer).  Empty when Inductor's cache served the graph (no scheduling ran)."""
+    from torch._inductor.scheduler import Scheduler
+
+    positions: dict[str, int] = {}
+    original = Scheduler.codegen
+
+    def codegen(scheduler):
+        for index, snode in enumerate(scheduler.nodes):
+            for part in snode.get_nodes():
+                for origin in getattr(getattr(part, "node", None), "origins", None) or ():
+                    positions.setdefault(getattr(origin, "name", ""), index)
+        return original(scheduler)
+
+    Scheduler.codegen = codegen
+    try:
+        yield positions
+    finally:
+        Scheduler.codegen = original
+
+
+def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list[fx.Node]:
+    """``gm``'s nodes in ``schedule``'s order (:func:`inductor_schedule`); a node the schedule does not name (a view,
+    a getitem, one Inductor never materializes) runs right after its inputs.  Ties keep the graph's order, so the
+    result stays topological.  ``None`` or empty: the graph's order."""
+    nodes = list(gm.graph.nodes)
+    if not schedule:
+        return nodes
+    key: dict[fx.Node, int] = {}
+    for node in nodes:
+        known = schedule.get(node.name)
+        after = max((key[arg] for arg in node.all_input_nodes), default=-1)
+        key[node] = max(known, after) if known is not None else after
+        if node.op == "output":
+            key[node] = len(schedule) + len(nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (key[n], position[n]))
+
+
 def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[str, list] | None = None,
-           inputs_freed: bool = False, op_buffers=None) -> tuple[GraphReplay, dict[str, list]]:
+           inputs_freed: bool = False, op_buffers=None, schedule: dict[str, int] | None = None
+           ) -> tuple[GraphReplay, dict[str, list]]:
     """Replay ``gm``: -> (its :class:`GraphReplay`, {output node name: storage keys}).
 
     ``inputs`` maps a placeholder's name to the storage keys it holds (the forward's saved values, for the
     backward); other placeholders are the caller's (not counted).  ``inputs_freed``: a counted input is freed
     after its last use (Inductor) instead of at the graph's end (aot_eager).  ``op_buffers(node) -> bytes``:
-    what an opaque op allocates inside, live only while it runs."""
+    what an opaque op allocates inside, live only while it runs.  ``schedule``: the order Inductor ran the nodes in
+    (:func:`scheduled_order`), else the graph's."""
     inputs = inputs or {}
     keys: dict[fx.Node, list] = {}
-    order = list(gm.graph.nodes)
+    order = scheduled_order(gm, schedule)
     for node in order:
         outs = _tensors(node.meta.get("val"))
         if node.op == "placeholder":
@@ -538,9 +583,12 @@ def resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
 
 
 def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *, backend: str,
-                   parameters: int = 0, buffers: int = 0, optimizer: str | None = None) -> MemoryEstimate:
+                   parameters: int = 0, buffers: int = 0, optimizer: str | None = None,
+                   schedules: list[dict] | None = None) -> MemoryEstimate:
     """The step of ``records``: (forward graph, backward graph, ring world size) per Dynamo graph, run
-    forward in order and backward in reverse order."""
+    forward in order and backward in reverse order; ``schedules``: per record, ``{"forward": ..., "backward":
+    ...}`` the order Inductor ran each graph in (:func:`inductor_schedule`), where known."""
+    schedules = schedules or [{} for _ in records]
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
                          f"got {optimizer!r}")
@@ -552,7 +600,8 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
     forward_returned: list[dict] = []
     phases = []
     for index, (forward, backward, world_size) in enumerate(records):
-        result, returned = replay(forward, storages, f"f{index}", op_buffers=op_buffers(world_size))
+        result, returned = replay(forward, storages, f"f{index}", op_buffers=op_buffers(world_size),
+                                  schedule=schedules[index].get("forward"))
         phases.append((f"forward of graph {index}", result, dict(held)))
         forward_returned.append(returned)
         keys = {k for ks in returned.values() for k in ks if k in storages.counted}
@@ -573,7 +622,8 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
                   if node.op == "placeholder" and node.name in forward_returned[index]}
         others = {k: b for k, b in held.items() if k not in saved_keys[index]}
         result, outputs = replay(backward, storages, f"b{index}", inputs=inputs,
-                                 inputs_freed=backend == "inductor", op_buffers=op_buffers(world_size))
+                                 inputs_freed=backend == "inductor", op_buffers=op_buffers(world_size),
+                                 schedule=schedules[index].get("backward"))
         phases.append((f"backward of graph {index}", result, others))
         for key in saved_keys[index]:
             held.pop(key, None)
@@ -610,7 +660,7 @@ def predict_step(report, optimizer: str | None = None) -> MemoryEstimate:
     graphs = [(g.graphs["forward"], g.graphs["backward"], g.sharding.world_size if g.sharding is not None else 1)
               for g in records]
     return predict_graphs(graphs, backend=report.config.backend, parameters=parameters, buffers=buffers,
-                          optimizer=optimizer)
+                          optimizer=optimizer, schedules=[g.schedules for g in records])
 
 
 def explain_memory(*, model, report, mesh_shape, seq_len: int, batch: int, device) -> str:

@@ -74,6 +74,9 @@ class GraphRecord:
     dropped_outputs: tuple[int, ...] = ()
     sharding: Any = None
     """A :class:`burstc.pass_context.ShardingFact` when the graph runs sequence-parallel, else ``None``."""
+    schedules: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per stage (``"forward"``, ``"backward"``), the order Inductor ran the graph's nodes in (node name ->
+    position; :func:`burstc.memory.inductor_schedule`), when Inductor scheduled it."""
 
 
 class Report:
