@@ -47,7 +47,7 @@ from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_plac
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
-from burstc.sharding.placements import MergedRows, RowIndex, TuplePlacement
+from burstc.sharding.placements import MergedRows, RowIndex, TuplePlacement, factors
 
 KIND = "shard"
 _Analyzer = Analyzer  # the old name, which tests patch
@@ -286,6 +286,25 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
                 total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
         node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
 
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for node, (summed, where, fill) in plan.pads_masked.items():  # the layout's pads must not count in the sum
+        x = node.args[summed] if isinstance(summed, int) else node.kwargs[summed]
+        outer, inner = factors(where)
+        with graph.inserting_before(first_op):  # before everything: sharded() puts its shard right after it
+            ones_args, ones_kwargs = ((outer * analyzer.S * inner,),), {"dtype": torch.float32}
+            ones = graph.call_function(torch.ones, ones_args, ones_kwargs)
+            set_meta(ones, torch.ones, ones_args, ones_kwargs, fake_mode)
+        valid = sharded(ones, (0, outer, inner) if isinstance(where, MergedRows) else 0, pad_value=0.0)
+        with graph.inserting_before(node):
+            shape = [1] * val(x).dim()
+            shape[where.dim] = -1
+            real = graph.call_function(operator.gt, (graph.call_method("view", (valid, tuple(shape))), 0))
+            masked = graph.call_function(torch.where, (real, x, graph.call_function(torch.full_like, (x, fill))))
+        if isinstance(summed, int):
+            node.update_arg(summed, masked)
+        else:
+            node.update_kwarg(summed, masked)
+
     for node in plan.sums_over_ranks:  # this rank's part of a sum over every token: summed over the ranks
         with graph.inserting_after(node):
             total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
@@ -433,6 +452,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None, "expert_dispatches": _rank_local_sorts(plan) or None,
         "sums_over_ranks": len(plan.sums_over_ranks) or None,
+        "sums_masking_pads": len(plan.pads_masked) or None,
         **layout_details,
     }, module="")
     context.facts.sharding = ShardingFact(world_size=context.world_size, layout=config.layout, plans=plans,

@@ -265,12 +265,22 @@ def test_a_sum_over_the_sequence_is_summed_over_the_ranks():
     assert why.code == CODES.reduces_sequence and "own range" in why.reason
 
 
-def test_a_sum_over_the_sequence_is_refused_when_the_layout_pads_it():
-    gm = capture_graph(lambda ids, t: embed(ids, t).sum(dim=1), tokens(), TABLE)
-    analyzer = Analyzer(gm, S, P, BurstConfig(), padded_len=S + P)  # 8 tokens padded to 12 on 4 ranks
-    with pytest.raises(Refused) as caught:
+def test_a_sum_over_the_sequence_masks_the_rows_the_layout_pads():
+    # 8 tokens padded to 12 on 4 ranks: the pads' rows get the fill (0 for a sum, below the range for histc) first
+    for fn, fill in ((lambda ids, t: embed(ids, t).sum(dim=1), 0.0),
+                     (lambda ids, t: torch.histc(embed(ids, t).argmax(-1).float(), bins=4, min=0, max=3), -1)):
+        gm = capture_graph(fn, tokens(), TABLE)
+        analyzer = Analyzer(gm, S, P, BurstConfig(), padded_len=S + P)
         analyzer.run()
-    assert caught.value.code == CODES.reduces_sequence and "the pads would count" in caught.value.reason
+        ((node, (summed, where, masked_fill)),) = analyzer.plan.pads_masked.items()
+        assert analyzer.plan.sums_over_ranks == [node] and summed == 0 and masked_fill == fill
+        assert where == Shard(1)
+    # a sum whose rows are not the token rows (summed over the sequence after a transpose is still rows; a full
+    # reduction of a replicated value is not a sum over ranks at all): nothing else is masked
+    gm = capture_graph(lambda ids, t: embed(ids, t).sum(dim=-1), tokens(), TABLE)
+    analyzer = Analyzer(gm, S, P, BurstConfig(), padded_len=S + P)
+    analyzer.run()
+    assert not analyzer.plan.pads_masked and not analyzer.plan.sums_over_ranks
 
 
 def test_matmul_with_a_weight_keeps_the_rows_and_contracting_over_the_sequence_is_refused():

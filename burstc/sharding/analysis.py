@@ -32,6 +32,9 @@ class Plan:
     # sums over every token (a load-balancing loss's counts and mean probabilities): this rank's part, summed over
     # the ranks right after (forward all-reduce, identity backward: each rank's tokens get their own gradient)
     sums_over_ranks: list = field(default_factory=list)
+    # such a sum while the layout pads the sequence: node -> (argument index or name, its rows placement, fill): the
+    # rewrite puts ``fill`` at the pads' rows of that argument first (0 for a sum, below the range for histc)
+    pads_masked: dict = field(default_factory=dict)
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int:

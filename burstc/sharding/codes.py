@@ -11,7 +11,8 @@ CODES = register_codes("shard", {
     "dynamic_length": "a symbolic sequence length (dynamic shapes): the rewrite plans for a concrete length",
     "mixes_positions": "an op mixes sequence positions (softmax, linear, norm or repeat along the sequence)",
     "reduces_sequence": "a reduction other than a sum (mean, max, ...) over the sequence dim or over all dims, or a "
-                        "sum over them while the layout pads the sequence (sums are all-reduced otherwise)",
+                        "sum over them while the layout pads the sequence of a value not laid out as the token rows "
+                        "(sums are all-reduced, their pad rows masked first)",
     "slices_sequence": "a slice, index or split of the sequence dim, or tensor indexing of a sharded value",
     "cat_sequence": "a cat along the sequence dim",
     "contracts_sequence": "a matmul contracting over the sequence dim or pairing differently sharded operands",

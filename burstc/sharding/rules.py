@@ -565,14 +565,19 @@ def reduction(analyzer, node):
     return at_dim(analyzer.place(x), d if keepdim else d - sum(1 for i in dims if i < d))
 
 
-def sum_over_ranks(analyzer, node, what: str):
+def sum_over_ranks(analyzer, node, what: str, summed=0, fill: float = 0.0):
     """A sum over every token (with its other dims, or of counts): this rank's part now, summed over the ranks by
-    the rewrite right after the node, so the value is replicated.  Rows the layout pads in would be counted too:
-    refused when it pads."""
+    the rewrite right after the node, so the value is replicated.  When the layout pads the sequence, the rows it
+    pads in would count too: the rewrite first puts ``fill`` at those rows of the argument ``summed`` (an index or
+    a keyword), which must be laid out as the token rows."""
     if analyzer.padded_len != analyzer.S:
-        raise Refused(CODES.reduces_sequence, f"{what} (`{op_name(node)}`) while the layout pads the sequence "
-                                              f"({analyzer.S} -> {analyzer.padded_len} tokens: the pads would count)",
-                      node)
+        x = node.args[summed] if isinstance(summed, int) and summed < len(node.args) else node.kwargs.get(summed)
+        where = analyzer.place(x) if isinstance(x, fx.Node) else None
+        if not isinstance(where, (Shard, MergedRows)):
+            raise Refused(CODES.reduces_sequence, f"{what} (`{op_name(node)}`) while the layout pads the sequence "
+                                                  f"({analyzer.S} -> {analyzer.padded_len} tokens: the pads would "
+                                                  f"count, and its rows are not the token rows)", node)
+        analyzer.plan.pads_masked[node] = (summed, where, fill)
     analyzer.plan.sums_over_ranks.append(node)
     return REPLICATE
 
@@ -602,7 +607,8 @@ def sums_by_group(analyzer, node):
         analyzer.shard_input(node, src, 0 if isinstance(where, Shard) else (0, outer, inner))
     elif analyzer.place(src) != where:
         raise Refused(CODES.misaligned_operands, f"`{op_name(node)}` with values placed unlike its index", node)
-    return sum_over_ranks(analyzer, node, "per-group sums over the sequence")
+    return sum_over_ranks(analyzer, node, "per-group sums over the sequence",
+                          summed=3 if len(node.args) > 3 else "src")
 
 
 def histc_range(node) -> tuple:
@@ -620,7 +626,7 @@ def histc_of_rows(analyzer, node):
     if not isinstance(lo, (int, float)) or not isinstance(hi, (int, float)) or not lo < hi:
         raise Refused(CODES.reduces_sequence, f"`histc` of token values over the data's own range [{lo}, {hi}]",
                       node)
-    return sum_over_ranks(analyzer, node, "counts over the sequence")
+    return sum_over_ranks(analyzer, node, "counts over the sequence", fill=lo - 1)  # histc ignores values below
 
 
 # -- matmul ------------------------------------------------------------------------------------------
