@@ -214,27 +214,33 @@ def _run_grid(rank, world_size, dtype, grid):
     for index, (layout, local_len, name, plan) in enumerate(grid):
         seq_len, mask = local_len * world_size, MASKS[name]
         doc_ids_BS, key_valid_BS = mask_data(seq_len, seed=100 + index)
-        data = {"doc_ids": doc_ids_BS if mask.term(Documents) else None,
-                "key_valid": key_valid_BS if mask.term(KeyPadding) else None}
-        generator = torch.Generator().manual_seed(1000 + index)
-        q, grad_out = (torch.randn(BATCH, HEADS_Q, seq_len, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
-        k, v = (torch.randn(BATCH, HEADS_KV, seq_len, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
-        pos = torch.arange(seq_len)
-        visible = _visible(mask, pos, pos, doc_ids_BS, key_valid_BS)
-        reference = _sdpa_reference(q, k, v, grad_out, visible, 0.3)
-        shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
-        q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
-        with ra.record_stats() as stats:
-            out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=0.3, **data)
-            (out.float() * shard(grad_out).float()).sum().backward()
-        errors = {key: error_vs(got, shard(reference[key]))
-                  for key, got in {"out": out, "lse": lse, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}.items()}
-        own_rows = layouts.local_positions(seq_len, world_size, rank, layout)
-        expected_work = int(visible[:, :, own_rows].sum()) * HEADS_Q
-        results.append(((layout, local_len, name, plan), errors, stats.of("forward")[0].total_work == expected_work,
-                        stats.of("backward")[0].total_work, int(visible.sum()) * HEADS_Q,
-                        bool((~visible.any(-1)).any())))
+        results.append(_one_case(rank, world_size, dtype, (layout, local_len, name, plan), mask, doc_ids_BS,
+                                 key_valid_BS, seed=1000 + index))
     return results
+
+
+def _one_case(rank, world_size, dtype, case, mask, doc_ids_BS, key_valid_BS, seed):
+    layout, local_len, _, plan = case
+    seq_len = local_len * world_size
+    data = {"doc_ids": doc_ids_BS if mask.term(Documents) else None,
+            "key_valid": key_valid_BS if mask.term(KeyPadding) else None}
+    generator = torch.Generator().manual_seed(seed)
+    q, grad_out = (torch.randn(BATCH, HEADS_Q, seq_len, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+    k, v = (torch.randn(BATCH, HEADS_KV, seq_len, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+    pos = torch.arange(seq_len)
+    visible = _visible(mask, pos, pos, doc_ids_BS, key_valid_BS)
+    reference = _sdpa_reference(q, k, v, grad_out, visible, 0.3)
+    shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
+    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    with ra.record_stats() as stats:
+        out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=0.3, **data)
+        (out.float() * shard(grad_out).float()).sum().backward()
+    errors = {key: error_vs(got, shard(reference[key]))
+              for key, got in {"out": out, "lse": lse, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}.items()}
+    own_rows = layouts.local_positions(seq_len, world_size, rank, layout)
+    expected_work = int(visible[:, :, own_rows].sum()) * HEADS_Q
+    return (case, errors, stats.of("forward")[0].total_work == expected_work,
+            stats.of("backward")[0].total_work, int(visible.sum()) * HEADS_Q, bool((~visible.any(-1)).any()))
 
 
 def _grid(world_size: int):
@@ -291,3 +297,27 @@ def _compiled_matches_eager(rank, world_size):
 
 def test_torch_compile_fullgraph_with_documents_and_padding(workers):
     assert max(workers.get(2).run(_compiled_matches_eager)) <= 1e-5
+
+
+def _explicit_case(rank, world_size, layout, mask_code, doc_ids_B1S, key_valid_B1S, plan):
+    doc_ids, key_valid = (t.expand(BATCH, -1).contiguous() for t in (doc_ids_B1S, key_valid_B1S))
+    local_len = doc_ids.shape[1] // world_size
+    return _one_case(rank, world_size, torch.float32, (layout, local_len, mask_code, plan), MaskSpec.decode(mask_code),
+                     doc_ids, key_valid, seed=5)
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_a_block_whose_keys_are_all_padding_is_not_computed(workers, plan):
+    # fuzz seed 2028 case 332 (5 tokens on 4 ranks, padded to 8 by the layout): the layout's pads share the last
+    # document id and are padding keys, so documents alone left a block of (pad query 7, pad key 5) while no key row
+    # of that pair travelled: ranks 0 and 1 raised inside the ring and ranks 2 and 3 waited for them (a hang)
+    doc_ids = torch.tensor([[0, 0, 1, 1, 2, 3, 3, 3]])
+    key_valid = torch.tensor([[False, False, True, True, True, False, False, False]])
+    mask = "causal&documents(position_ids)&key_padding(attention_mask)"
+    for rank, (case, errors, work_matches, *_) in enumerate(
+            workers.get(4).run(_explicit_case, "zigzag", mask, doc_ids, key_valid, plan)):
+        assert work_matches, rank
+        for key in COMPARED:
+            allowed = tolerance(torch.float32, f"attention_{key}")
+            diff, scale = errors[key]
+            assert math.isfinite(diff) and diff <= allowed.atol + allowed.rtol * scale, (rank, key, diff)

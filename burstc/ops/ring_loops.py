@@ -117,6 +117,11 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
         found = blocks(layout, mask, q_owner, kv_owner, local_len, ring.size) if not mask.runtime_terms else \
             data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
                         packed_documents=data.packed_documents)
+        if mask.term(KeyPadding) is not None:
+            # a block whose every key is padding in every batch row sees nothing, and those rows never travel
+            # (:func:`_rows_between`): not computed (fuzz seed 2028 case 332: it raised on some ranks, hung the rest)
+            valid = _valid_key_runs(layout, kv_owner, local_len, ring, data)
+            found = tuple(b for b in found if intersect_runs(((b.kv_start, b.kv_stop),), valid))
         if data.query_rows is not None:
             seq_len = local_len * ring.size
             found = clip_query_rows(found, data.query_rows, lambda: (
@@ -153,16 +158,16 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
         return rows_between
     # K/V travel: a row that is padding in every batch row is seen by no query (the kernels that read a padded key
     # mask it; the flash-style ones run only on blocks whose keys are all valid), so it stays home
-    memo = data.memo
-
-    def valid_rows(sender: int) -> Runs:
-        key = ("valid_keys", layout, sender, local_len, ring.size)
-        if key not in memo:
-            memo[key] = valid_key_runs(layout, sender, local_len, ring.size, data.key_valid_BS)
-        return memo[key]
-
     return lambda receiver, sender: intersect_runs(rows_between(receiver=receiver, sender=sender),
-                                                   valid_rows(sender))
+                                                   _valid_key_runs(layout, sender, local_len, ring, data))
+
+
+def _valid_key_runs(layout, owner: int, local_len: int, ring, data: MaskData) -> Runs:
+    """The key rows of ``owner`` that are a real token in some batch row (remembered for the call)."""
+    key = ("valid_keys", layout, owner, local_len, ring.size)
+    if key not in data.memo:
+        data.memo[key] = valid_key_runs(layout, owner, local_len, ring.size, data.key_valid_BS)
+    return data.memo[key]
 
 
 def _clipped_key_rows(layout: str, mask: MaskSpec, receiver: int, sender: int, local_len: int, ring: Ring,
