@@ -741,7 +741,7 @@ def checkpoint_pareto(report: dict, plt):
             if report["results"].get(name, {}).get("by_seq_len")}
     if len(rows) < 2:
         return None
-    fig, ax = plt.subplots(figsize=(8.5, 5))
+    fig, ax = plt.subplots(figsize=(10.5, 5))
     seq_lens = sorted({s for row in rows.values() for s in row["by_seq_len"]})
     markers = dict(zip(BURSTC_ROWS, "osD^v"))
     for color, seq_len in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], seq_lens):
@@ -756,7 +756,7 @@ def checkpoint_pareto(report: dict, plt):
     ax.set_xlabel("step time per rank (s)")
     ax.set_ylabel("peak memory per rank (MiB)")
     ax.set_title(f"checkpointing: memory against time, P={report['config']['ranks']} gloo ranks (CPU)")
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # markers: rows; colours: lengths
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
