@@ -214,3 +214,15 @@ def test_checkpoint_modes_on_one_device(mode, recomputed_attention):
     plain = burstc.compile(zoo.titan_llama(), None, backend="aot_eager")
     zoo.call_with_loss(plain, inputs).backward()
     assert saved < len(list(burstc.report(plain).graphs["forward"].graph.output_node().args[0]))
+
+
+@pytest.mark.parametrize("options", [{"checkpoint": "layers"}, {"checkpoint": "selective"},
+                                     {"checkpoint": "selective", "checkpoint_keep": 0.5}],
+                         ids=["layers", "selective", "selective_keep_half"])
+def test_checkpoint_modes_on_nanogpt(workers, options):
+    """nanoGPT-style blocks (``transformer.h.N``): found, checkpointed and exact in every mode."""
+    results = assert_equivalent(zoo.nanogpt_sdpa, zoo.nanogpt_inputs, zoo.nanogpt_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager", **options)
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("checkpoint_layers") >= 2 and "shard" in kinds, kinds
+    assert ("checkpoint_keep: 2 attention(s) keep the last" in results[0]["report"]) == ("checkpoint_keep" in options)
