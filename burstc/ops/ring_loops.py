@@ -117,16 +117,17 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
         found = blocks(layout, mask, q_owner, kv_owner, local_len, ring.size) if not mask.runtime_terms else \
             data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
                         packed_documents=data.packed_documents)
-        if mask.term(KeyPadding) is not None:
-            # a block whose every key is padding in every batch row sees nothing, and those rows never travel
-            # (:func:`_rows_between`): not computed (fuzz seed 2028 case 332: it raised on some ranks, hung the rest)
-            valid = _valid_key_runs(layout, kv_owner, local_len, ring, data)
-            found = tuple(b for b in found if intersect_runs(((b.kv_start, b.kv_stop),), valid))
         if data.query_rows is not None:
             seq_len = local_len * ring.size
             found = clip_query_rows(found, data.query_rows, lambda: (
                 local_positions(seq_len, ring.size, q_owner, layout), local_positions(seq_len, ring.size, kv_owner,
                                                                                       layout), mask.static_part))
+        if mask.term(KeyPadding) is not None:
+            # a block whose every key is padding in every batch row sees nothing, and those rows never travel
+            # (:func:`_rows_between`): not computed (fuzz seed 2028 case 332: it raised on some ranks, hung the rest;
+            # seed 282 case 25: a block clipped to the first rows keeps only such keys)
+            valid = _valid_key_runs(layout, kv_owner, local_len, ring, data)
+            found = tuple(b for b in found if intersect_runs(((b.kv_start, b.kv_stop),), valid))
         data.memo[key] = found
     return data.memo[key]
 
