@@ -48,6 +48,33 @@ def _closure(members: set[fx.Node]) -> set[fx.Node]:
     return members | (downstream & upstream)
 
 
+_VMAP_LEVEL = ("_vmap_increment_nesting", "_vmap_decrement_nesting")
+
+
+def _with_whole_vmap_levels(gm: fx.GraphModule, region_nodes: set[fx.Node]) -> set[fx.Node]:
+    """``region_nodes`` and, for every vmap level one of them runs in (FlexAttention's ``create_block_mask`` vmaps
+    its mask_mod inside the layer), every node of that level from its increment to its decrement: functorch's level
+    stack must open and close on the same side of the region's boundary (half a level inside failed with
+    ``!dynamicLayerStack.empty()``; fuzz seed 282 case 36)."""
+    spans, stack, current = [], [], []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name == _VMAP_LEVEL[0]:
+            stack.append(len(current))
+        if stack:
+            current.append(node)
+        if name == _VMAP_LEVEL[1] and stack:
+            stack.pop()
+            if not stack:  # the outermost level closed: one span
+                spans.append(current)
+                current = []
+    found = set(region_nodes)
+    for span in spans:
+        if found.intersection(span):
+            found.update(span)
+    return found
+
+
 def outline_checkpoint_regions(gm: fx.GraphModule, regions: list[Region]) -> tuple[list[str], list[str]]:
     """Put every region back into a ``tag_activation_checkpoint`` call; -> (restored, kept_inlined):
     a line per region saying what it holds, or why it stays inlined."""
@@ -56,7 +83,7 @@ def outline_checkpoint_regions(gm: fx.GraphModule, regions: list[Region]) -> tup
         members = {n for n in gm.graph.nodes if n.meta.get(REGION) == region.index}
         if not members:
             continue
-        region_nodes = _closure(members)
+        region_nodes = _with_whole_vmap_levels(gm, _closure(members))
         strangers = [n for n in region_nodes - members
                      if n.op not in ("call_function", "call_method") or n.meta.get(REGION, region.index) != region.index]
         if strangers or any(is_mutating(n) for n in region_nodes):
