@@ -159,6 +159,10 @@ def fp64_truth(model, step: Callable):
 
     try:
         twin = copy.deepcopy(model).double()
+        if hasattr(twin, "set_experts_implementation") and getattr(getattr(twin, "config", None),
+                                                                   "_experts_implementation", None) not in (None, "eager"):
+            # HF's grouped_mm / batched_mm experts take no fp64: the eager loop over the experts computes the same
+            twin.set_experts_implementation("eager")
         twin.zero_grad(set_to_none=True)
         return step(twin)
     except Exception:  # noqa: BLE001 - an op without fp64 support: no truth, the fp32 oracle alone decides
