@@ -358,16 +358,26 @@ def travelling_rows(queries_travel: bool, layout: str, mask: MaskSpec, receiver:
     return _pair_rows_seen(layout, terms, receiver, sender, local_len, world_size)[1]
 
 
+def clip_pair_to_rows(found: tuple[Block, ...], query_rows: int, layout, mask: MaskSpec, q_owner: int, kv_owner: int,
+                      local_len: int, world_size: int) -> tuple[Block, ...]:
+    """:func:`clip_query_rows` of the pair ``(q_owner, kv_owner)``'s blocks ``found``, its positions from the layout."""
+    seq_len = local_len * world_size
+    return clip_query_rows(found, query_rows, lambda: (
+        local_positions(seq_len, world_size, q_owner, layout), local_positions(seq_len, world_size, kv_owner, layout),
+        mask.static_part))
+
+
+def keys_of(found: tuple[Block, ...]) -> Runs:
+    """The key rows the blocks read (the union of their key ranges)."""
+    return union_runs([((b.kv_start, b.kv_stop),) for b in found])
+
+
 def first_rows_key_rows(layout: str, mask: MaskSpec, query_rows: int, receiver: int, sender: int, local_len: int,
                         world_size: int) -> Runs:
     """The key rows of ``sender`` that ``receiver``'s first ``query_rows`` query rows see (the static part of
     ``mask``): what a forward restricted to those rows moves (the union of :func:`clip_query_rows`'s keys)."""
-    static = mask.static_part
-    seq_len = local_len * world_size
-    found = clip_query_rows(blocks(layout, static, receiver, sender, local_len, world_size), query_rows, lambda: (
-        local_positions(seq_len, world_size, receiver, layout), local_positions(seq_len, world_size, sender, layout),
-        static))
-    return union_runs([((b.kv_start, b.kv_stop),) for b in found])
+    return keys_of(clip_pair_to_rows(blocks(layout, mask.static_part, receiver, sender, local_len, world_size),
+                                     query_rows, layout, mask, receiver, sender, local_len, world_size))
 
 
 def intersect_runs(a: Runs, b: Runs) -> Runs:

@@ -50,8 +50,8 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.kernels.attention_blocks import block_attention_backward, block_attention_forward
 from burstc.kernels.masked_attention_blocks import masked_block_backward, masked_block_forward, visible_entries
 from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, data_blocks, document_travelling_rows,
-                                   clip_query_rows, documents_sorted, intersect_runs, pairs_hidden_by_data,
-                                   runs_length, travelling_rows, union_runs, valid_key_runs)
+                                   clip_pair_to_rows, documents_sorted, intersect_runs, keys_of,
+                                   pairs_hidden_by_data, runs_length, travelling_rows, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
@@ -118,10 +118,7 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
             data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
                         packed_documents=data.packed_documents)
         if data.query_rows is not None:
-            seq_len = local_len * ring.size
-            found = clip_query_rows(found, data.query_rows, lambda: (
-                local_positions(seq_len, ring.size, q_owner, layout), local_positions(seq_len, ring.size, kv_owner,
-                                                                                      layout), mask.static_part))
+            found = clip_pair_to_rows(found, data.query_rows, layout, mask, q_owner, kv_owner, local_len, ring.size)
         if mask.term(KeyPadding) is not None:
             # a block whose every key is padding in every batch row sees nothing, and those rows never travel
             # (:func:`_rows_between`): not computed (fuzz seed 2028 case 332: it raised on some ranks, hung the rest;
@@ -175,8 +172,7 @@ def _clipped_key_rows(layout: str, mask: MaskSpec, receiver: int, sender: int, l
                       data: MaskData, hidden_pairs: frozenset) -> Runs:
     if (receiver, sender) in hidden_pairs:
         return ()
-    return union_runs([((b.kv_start, b.kv_stop),) for b in _pair_blocks(layout, mask, receiver, sender, local_len,
-                                                                         ring, data)])
+    return keys_of(_pair_blocks(layout, mask, receiver, sender, local_len, ring, data))
 
 
 def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
