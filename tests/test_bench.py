@@ -1,5 +1,6 @@
 """``burstc bench`` (burstc/bench/end_to_end.py): the console script end to end at tiny sizes, the cap search's
 logic on a fake memory curve, and the FLOP count by hand."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -193,7 +194,9 @@ def test_checkpoint_targets_from_the_rows_that_ran():
                    "longest_under_cap": {"seq_len": 2048}},
         "burstc_selective": {"by_seq_len": {1024: cell(1.05, 50.0, 100.0, 950.0), 2048: cell(2.1, 110.0, 170.0, 975.0)},
                              "longest_under_cap": {"seq_len": 8192}},
-        "burstc_torch_budget": {"by_seq_len": {1024: cell(1.5, 60.0, 110.0, 650.0)}},
+        "burstc_torch_budget@0.5": {"by_seq_len": {1024: cell(1.5, 60.0, 110.0, 650.0)}},
+        "burstc_torch_budget@0.1": {"by_seq_len": {1024: cell(1.9, 40.0, 90.0, 520.0)}},
+        "burstc_sac_matmuls": {"by_seq_len": {1024: cell(1.1, 70.0, 120.0, 900.0)}},
         "torch_ring": {"by_seq_len": {1024: cell(1.2, 150.0, 200.0, 800.0)}},
     }
     goal = end_to_end.checkpoint_targets(results)
@@ -202,10 +205,36 @@ def test_checkpoint_targets_from_the_rows_that_ran():
     assert selective["step_vs_none"] == pytest.approx(1.05) and selective["activation_vs_none"] == pytest.approx(0.5)
     assert selective["step_met"] and selective["activation_met"]
     assert selective["longest"] == 8192 and selective["longest_vs_none"] == pytest.approx(4.0)
-    versus = goal["selective_vs_torch_budget"]
-    assert versus["step_ratio"] == pytest.approx(950 / 650) and versus["peak_ratio"] == pytest.approx(100 / 110)
+    versus = goal["selective_vs_torch"]
+    assert set(versus["each"]) == {"burstc_torch_budget@0.5", "burstc_torch_budget@0.1", "burstc_sac_matmuls"}
+    half = versus["each"]["burstc_torch_budget@0.5"]
+    assert half["tokens_ratio"] == pytest.approx(950 / 650) and half["peak_ratio"] == pytest.approx(100 / 110)
+    # selective's peak is 100: only the 0.1 budget (90) fits within it; 950 / 520 >= 1.1
+    assert versus["equal_memory_answer"] == "burstc_torch_budget@0.1"
+    assert versus["equal_memory_tokens_ratio"] == pytest.approx(950 / 520) and versus["equal_memory_met"]
+    # a torch answer within selective's memory and as fast fails the target
+    faster = dict(results, burstc_sac_matmuls={"by_seq_len": {1024: cell(1.0, 30.0, 95.0, 1000.0)}})
+    versus = end_to_end.checkpoint_targets(faster)["selective_vs_torch"]
+    assert versus["equal_memory_answer"] == "burstc_sac_matmuls" and not versus["equal_memory_met"]
     assert "torch_ring" not in goal
     assert end_to_end.checkpoint_targets({"torch_ring": results["torch_ring"]}) == {}
+    text = end_to_end.markdown({"config": {"shape": dataclasses.asdict(end_to_end.ModelShape()), "ranks": 2,
+                                           "steps": 2, "command": "burstc bench", "memory_cap_mib": 0},
+                                "machine": {"cpus": 2, "load_start": 0.0, "load_end": 0.0, "torch": "x",
+                                            "peak_gflops": 1.0, "peak_method": "m"},
+                                "results": {}, "targets": {}, "checkpoint_targets": goal})
+    assert "burstc + torch activation_memory_budget 0.1): 1.83x its tokens/s (target >= 1.10x: met)" in text
+
+
+def test_budget_rows_run_once_per_budget():
+    keys = end_to_end.expand_rows(["burstc", "burstc_torch_budget", "compile_budget"], [0.5, 0.25])
+    assert keys == ["burstc", "burstc_torch_budget@0.5", "burstc_torch_budget@0.25", "compile_budget@0.5",
+                    "compile_budget@0.25"]
+    args = end_to_end._parser().parse_args(["--ranks", "4", "--budgets", "0.5", "0.25"])
+    case = end_to_end.case_of("burstc_torch_budget@0.25", 2048, args, end_to_end.ModelShape(), 1)
+    assert (case.row, case.budget, case.ranks, case.key) == ("burstc_torch_budget", 0.25, 4, "burstc_torch_budget@0.25")
+    assert end_to_end.case_of("compile_budget@0.5", 2048, args, end_to_end.ModelShape(), 1).ranks == 1
+    assert end_to_end.label("compile_budget@0.25") == "torch.compile + memory budget, 1 process 0.25"
 
 
 def test_pareto_frontier_keeps_the_points_nothing_beats():

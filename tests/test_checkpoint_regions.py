@@ -74,6 +74,29 @@ def test_ring_is_recomputed_in_the_backward(workers, name):
         assert checkpointed["forward_outputs"] < plain["forward_outputs"]
 
 
+def sac_task(rank, world_size):
+    facts = _checkpointing_facts(world_size, zoo.hf_llama_sac_checkpointed(), zoo.hf_inputs, zoo.hf_loss_default)
+    facts["plain"] = _checkpointing_facts(world_size, zoo.hf_llama_checkpointed(), zoo.hf_inputs,
+                                          zoo.hf_loss_default)
+    return facts
+
+
+def test_user_selective_policy_keeps_working(workers):
+    """A user's selective activation checkpointing (HF's gradient_checkpointing_kwargs with torchtitan's
+    save-matmuls policy as context_fn) on a mesh: the regions go back with their policy, so the ring attention
+    (saved by the policy) is not recomputed while the rest of the layer is; loss and gradients as single device."""
+    pytest.importorskip("transformers")
+    results = assert_equivalent(zoo.hf_llama_sac_checkpointed, zoo.hf_inputs, zoo.hf_loss_default, world_size=2,
+                                group=workers.get(2), backend="aot_eager")
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("attention") == 2 and kinds.count("checkpoint_region") == 2
+    for facts in workers.get(2).run(sac_task):
+        assert len(facts["regions"]) == 2 and not facts["kept"]
+        # the policy saved the ring's outputs: no ring forward in the backward (plain checkpointing: one per layer)
+        assert facts["backward_ring_forwards"] == 0 and facts["plain"]["backward_ring_forwards"] == 2
+        assert facts["forward_outputs"] > facts["plain"]["forward_outputs"]  # it saves the matmuls too
+
+
 def test_single_device_keeps_checkpointing():
     import burstc
 

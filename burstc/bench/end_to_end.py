@@ -64,14 +64,18 @@ import torch.nn.functional as F
 
 from burstc import layout as layouts
 from burstc.bench.peers import TorchRing, allgather_kv_attention, peer_bytes
-from burstc.testing import WorkerGroup
+from burstc.testing import WorkerGroup, zoo
 
-ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget", "torch_ring",
-        "allgather_kv", "lucidrains_zigzag", "eager", "compile", "compile_budget")
-BURSTC_ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget")
-# the checkpointing comparison (issue 18): burstc's modes, and torch's own activation_memory_budget on the same
-# sharded model; not run by default (``--rows`` names them)
-CHECKPOINT_ROWS = ("burstc_selective_half", "burstc_layers", "burstc_torch_budget")
+ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget",
+        "burstc_sac_matmuls", "torch_ring", "allgather_kv", "lucidrains_zigzag", "eager", "compile", "compile_budget")
+BURSTC_ROWS = ("burstc", "burstc_selective", "burstc_selective_half", "burstc_layers", "burstc_torch_budget",
+               "burstc_sac_matmuls")
+# the checkpointing comparison (issue 18): burstc's modes, and torch's own answers on the same sharded model (its
+# activation_memory_budget; a user's selective activation checkpointing that saves every matmul); not run by default
+# (``--rows`` names them)
+CHECKPOINT_ROWS = ("burstc_selective_half", "burstc_layers", "burstc_torch_budget", "burstc_sac_matmuls")
+# rows run once per ``--budgets`` value, keyed "row@budget" in the results
+BUDGET_ROWS = ("burstc_torch_budget", "compile_budget")
 DEFAULT_ROWS = tuple(row for row in ROWS if row not in CHECKPOINT_ROWS)
 SHARDED_PEERS = ("torch_ring", "allgather_kv", "lucidrains_zigzag")
 ONE_PROCESS = ("eager", "compile", "compile_budget")
@@ -80,10 +84,28 @@ LABELS = {
     "burstc_selective_half": "burstc checkpoint=selective, checkpoint_keep=0.5",
     "burstc_layers": "burstc checkpoint=layers",
     "burstc_torch_budget": "burstc + torch activation_memory_budget",
+    "burstc_sac_matmuls": "burstc + user SAC saving matmuls",
     "torch_ring": "torch ring (head-tail)", "allgather_kv": "all-gather K/V (Llama-3)",
     "lucidrains_zigzag": "lucidrains zig-zag", "eager": "eager, 1 process", "compile": "torch.compile, 1 process",
     "compile_budget": "torch.compile + memory budget, 1 process",
 }
+
+
+def row_key(row: str, budget: float) -> str:
+    """The results' key of ``row`` run at ``budget``: ``row@budget`` for the budget rows, else ``row``."""
+    return f"{row}@{budget:g}" if row in BUDGET_ROWS else row
+
+
+def base_row(key: str) -> str:
+    return key.split("@", 1)[0]
+
+
+def label(key: str) -> str:
+    """``LABELS`` of the key's row, with the budget of a budget row."""
+    row, _, budget = key.partition("@")
+    return f"{LABELS[row]} {budget}" if budget else LABELS[row]
+
+
 EMULATED_CLUSTER = Path("/work/shared/tools/emulated-cluster/emulated-cluster")
 
 
@@ -113,6 +135,10 @@ class Case:
     budget: float = 0.5
     burstc_backend: str = "inductor"
     seed: int = 0
+
+    @property
+    def key(self) -> str:
+        return row_key(self.row, self.budget)
 
 
 def step_flops(shape: ModelShape, seq_len: int) -> float:
@@ -248,6 +274,9 @@ def _make_step(case: Case, rank: int, world_size: int):
             options["checkpoint_keep"] = 0.5
         if case.row == "burstc_torch_budget":  # torch's min-cut partitioner under a budget, burstc's defaults else
             context = functools.partial(torch._functorch.config.patch, activation_memory_budget=case.budget)
+        if case.row == "burstc_sac_matmuls":  # what a user would write: HF's checkpointing with a SAC policy
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": zoo.save_matmuls_context})
         with context() if context is not None else contextlib.nullcontext():
             compiled = burstc.compile(model, mesh, **options)
 
@@ -312,19 +341,19 @@ def prepare_case(rank: int, world_size: int, case: Case) -> dict:
         grad_norm0 = _grad_norm(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    _PREPARED[case.row] = {"model": model, "optimizer": optimizer, "loss_fn": loss_fn, "context": context,
+    _PREPARED[case.key] = {"model": model, "optimizer": optimizer, "loss_fn": loss_fn, "context": context,
                            "distributed": world_size > 1}
     return {"warmup_s": time.perf_counter() - started, "tokens": tokens, "loss0": float(loss0),
             "grad_norm0": grad_norm0}
 
 
-def step_case(rank: int, world_size: int, row: str) -> dict:
+def step_case(rank: int, world_size: int, key: str) -> dict:
     """Worker task: one timed training step of a prepared row (ranks start it together); its time, its peak
     (above what the process held before it, plus the parameters and AdamW state) and burstc's ring bytes."""
     from burstc.memory import measure_peak
     from burstc.ops.ring_attention import record_stats
 
-    state = _PREPARED[row]
+    state = _PREPARED[key]
     context = state["context"]
     with context() if context is not None else contextlib.nullcontext():
         with record_stats() as stats, measure_peak("cpu") as peak:
@@ -351,7 +380,7 @@ def run_case(rank: int, world_size: int, case: Case) -> tuple[dict, list[dict]]:
     """Worker task: :func:`prepare_case`, ``case.steps`` timed steps, release (one row alone, for the cap search)."""
     try:
         prepared = prepare_case(rank, world_size, case)
-        return prepared, [step_case(rank, world_size, case.row) for _ in range(case.steps)]
+        return prepared, [step_case(rank, world_size, case.key) for _ in range(case.steps)]
     finally:
         release_cases(rank, world_size)
 
@@ -395,12 +424,23 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
     }
 
 
-def _row_ranks(row: str, ranks: int) -> int:
-    return 1 if row in ONE_PROCESS else ranks
+def _row_ranks(key: str, ranks: int) -> int:
+    return 1 if base_row(key) in ONE_PROCESS else ranks
 
 
-def _unavailable(row: str) -> str | None:
-    if row == "lucidrains_zigzag":
+def expand_rows(rows: list[str], budgets: list[float]) -> list[str]:
+    """The results' keys: each budget row once per budget."""
+    return [row_key(row, b) for row in rows for b in (budgets if row in BUDGET_ROWS else [0.0])]
+
+
+def case_of(key: str, seq_len: int, args, shape: ModelShape, steps: int) -> Case:
+    row, _, budget = key.partition("@")
+    return Case(row, seq_len, _row_ranks(key, args.ranks), shape, steps, float(budget) if budget else 0.5,
+                args.burstc_backend, args.seed)
+
+
+def _unavailable(key: str) -> str | None:
+    if base_row(key) == "lucidrains_zigzag":
         try:
             import ring_attention_pytorch  # noqa: F401
         except ImportError as exc:
@@ -501,7 +541,7 @@ def ratios(results: dict) -> None:
     lengths = sorted({s for row in results.values() for s in row.get("by_seq_len", {})})
     for s in lengths:
         cells = {name: row["by_seq_len"][s] for name, row in results.items() if s in row.get("by_seq_len", {})}
-        peers = {name: c for name, c in cells.items() if name not in BURSTC_ROWS}
+        peers = {name: c for name, c in cells.items() if base_row(name) not in BURSTC_ROWS}
         if not peers:
             continue
         best_name = max(peers, key=lambda n: peers[n]["tokens_per_s_per_rank"])
@@ -540,9 +580,7 @@ def targets(results: dict) -> dict:
     s = max(common)
     out["common_seq_len"] = s
     out["within_cap"] = bool(longest)
-    for name in BURSTC_ROWS:
-        if name not in ran:
-            continue
+    for name in [n for n in ran if base_row(n) in BURSTC_ROWS]:
         cell = ran[name]["by_seq_len"][s]
         entry = {"best_peer": cell["best_peer"], "tokens_ratio": cell["tokens_vs_best_peer"],
                  "memory_ratio": cell["memory_vs_best_peer"],
@@ -553,7 +591,7 @@ def targets(results: dict) -> dict:
             entry.update(best_sharded_peer=best,
                          sharded_tokens_ratio=cell["tokens_per_s_per_rank"] / sharded[best]["tokens_per_s_per_rank"],
                          sharded_memory_ratio=cell["peak_mib_per_rank"] / sharded[best]["peak_mib_per_rank"])
-        peer_longest = {n: v for n, v in longest.items() if n not in BURSTC_ROWS}
+        peer_longest = {n: v for n, v in longest.items() if base_row(n) not in BURSTC_ROWS}
         if name in longest and peer_longest:
             best = max(peer_longest, key=peer_longest.get)
             entry.update(longest=longest[name], best_peer_longest=(best, peer_longest[best]),
@@ -567,8 +605,11 @@ def checkpoint_targets(results: dict) -> dict:
     """Issue 18's targets from the burstc rows that ran, at the longest sweep length they all train: selective's
     step time and activation memory (the step's growth) against ``checkpoint="none"`` (the defaults), each mode's
     longest length under the cap against none's and its tokens/s there against none's at none's longest, and
-    selective against torch's ``activation_memory_budget`` on the same sharded model."""
-    ran = {name: results[name] for name in BURSTC_ROWS if results.get(name, {}).get("by_seq_len")}
+    selective against torch's own answers on the same sharded model (``activation_memory_budget`` at each budget
+    that ran, a user's SAC policy): per answer, and against the fastest answer whose peak is within selective's
+    (the "equal memory" comparison; none when no answer gets that low)."""
+    ran = {name: row for name, row in results.items()
+           if base_row(name) in BURSTC_ROWS and row.get("by_seq_len")}
     if "burstc" not in ran or len(ran) < 2:
         return {}
     common = set.intersection(*(set(row["by_seq_len"]) for row in ran.values()))
@@ -587,15 +628,22 @@ def checkpoint_targets(results: dict) -> dict:
             entry["longest"] = row["longest_under_cap"]["seq_len"]
             entry["longest_vs_none"] = entry["longest"] / max(1, ran["burstc"]["longest_under_cap"]["seq_len"])
         out[name] = entry
-    if "burstc_selective" in out:
-        selective = out["burstc_selective"]
-        selective["step_met"] = selective["step_vs_none"] <= 1.10
-        selective["activation_met"] = selective["activation_vs_none"] <= 0.60
-    if "burstc_selective" in out and "burstc_torch_budget" in out:
-        selective, budget = out["burstc_selective"], out["burstc_torch_budget"]
-        out["selective_vs_torch_budget"] = {"step_ratio": budget["tokens_per_s"] and
-                                            selective["tokens_per_s"] / budget["tokens_per_s"],
-                                            "peak_ratio": selective["peak_mib"] / budget["peak_mib"]}
+    if "burstc_selective" not in out:
+        return out
+    selective = out["burstc_selective"]
+    selective["step_met"] = selective["step_vs_none"] <= 1.10
+    selective["activation_met"] = selective["activation_vs_none"] <= 0.60
+    torch_answers = {n: out[n] for n in out if base_row(n) in ("burstc_torch_budget", "burstc_sac_matmuls")}
+    if torch_answers:
+        versus = {n: {"tokens_ratio": selective["tokens_per_s"] / a["tokens_per_s"],
+                      "peak_ratio": selective["peak_mib"] / a["peak_mib"]} for n, a in torch_answers.items()}
+        within = [n for n, a in torch_answers.items() if a["peak_mib"] <= selective["peak_mib"]]
+        fastest = max(within, key=lambda n: torch_answers[n]["tokens_per_s"]) if within else None
+        out["selective_vs_torch"] = {
+            "each": versus, "equal_memory_answer": fastest,
+            "equal_memory_tokens_ratio": versus[fastest]["tokens_ratio"] if fastest else None,
+            # met when selective is >= 1.1x the fastest answer that fits in its memory, or none fits
+            "equal_memory_met": versus[fastest]["tokens_ratio"] >= 1.10 if fastest else True}
     return out
 
 
@@ -620,7 +668,7 @@ def markdown(report: dict) -> str:
     ]
     for name, row in results.items():
         if "skipped" in row:
-            lines.append(f"| {LABELS[name]} | - | - | n/a: {row['skipped']} | | | | | | | | | | |")
+            lines.append(f"| {label(name)} | - | - | n/a: {row['skipped']} | | | | | | | | | | |")
             continue
         for s, c in sorted(row["by_seq_len"].items()):
             sent = f"{c['attention_mib_sent_per_rank']:.1f}" + (" (formula)" if c["bytes_counted"].startswith(
@@ -629,7 +677,7 @@ def markdown(report: dict) -> str:
             per_cpu_s = f"{c['tokens_per_cpu_s_per_rank']:,.0f}" if "tokens_per_cpu_s_per_rank" in c else "-"
             cpu_ratio = f"{c['cpu_tokens_vs_best_peer']:.2f}x" if "cpu_tokens_vs_best_peer" in c else "-"
             lines.append(
-                f"| {LABELS[name]} | {c['ranks']} | {s} | {c['tokens_per_s_per_rank']:,.0f} | {c['step_s']:.3f} "
+                f"| {label(name)} | {c['ranks']} | {s} | {c['tokens_per_s_per_rank']:,.0f} | {c['step_s']:.3f} "
                 f"| {per_cpu_s} | {c['peak_mib_per_rank']:.0f} | {sent} | {100 * c['mfu']:.1f}% "
                 f"| {err('loss_error_vs_eager')} | {err('grad_norm_error_vs_eager')} "
                 f"| {c.get('tokens_vs_best_peer', 0):.2f}x | {cpu_ratio} | {c.get('memory_vs_best_peer', 0):.2f}x |")
@@ -644,34 +692,30 @@ def markdown(report: dict) -> str:
                 continue
             tried = ", ".join(f"{a['seq_len']} {'ok' if a['fits'] else 'over'}" for a in cap["attempts"]) or "sweep only"
             peak = f"{cap['peak_mib_per_rank']:.0f}" if cap["peak_mib_per_rank"] is not None else "-"
-            lines.append(f"| {LABELS[name]} | {cap['seq_len']} | {peak} | {tried} | {cap['note']} |")
+            lines.append(f"| {label(name)} | {cap['seq_len']} | {peak} | {tried} | {cap['note']} |")
     goal = report["targets"]
     if goal:
         where = "within the memory cap" if goal["within_cap"] else "in the sweep"
         lines += ["", f"Targets at S = {goal['common_seq_len']} (the longest sweep length every row trains {where}):"]
-        for name in BURSTC_ROWS:
-            if name not in goal:
-                continue
+        for name in [n for n in goal if base_row(n) in BURSTC_ROWS]:
             t = goal[name]
-            text = (f"- {LABELS[name]}: tokens/s {t['tokens_ratio']:.2f}x the best peer ({LABELS[t['best_peer']]}; "
+            text = (f"- {label(name)}: tokens/s {t['tokens_ratio']:.2f}x the best peer ({label(t['best_peer'])}; "
                     f"target >= 1.2x: {'met' if t['tokens_met'] else 'not met'}), peak memory {t['memory_ratio']:.2f}x "
                     f"(target <= 0.75x: {'met' if t['memory_met'] else 'not met'})")
             if "best_sharded_peer" in t:
-                text += (f"; against the fastest sharded peer ({LABELS[t['best_sharded_peer']]}): tokens/s "
+                text += (f"; against the fastest sharded peer ({label(t['best_sharded_peer'])}): tokens/s "
                          f"{t['sharded_tokens_ratio']:.2f}x, memory {t['sharded_memory_ratio']:.2f}x")
             if "longest" in t:
                 best, best_len = t["best_peer_longest"]
-                text += (f"; longest under the cap {t['longest']} vs {best_len} ({LABELS[best]}): "
+                text += (f"; longest under the cap {t['longest']} vs {best_len} ({label(best)}): "
                          f"{t['longest_ratio']:.2f}x (target >= 2x: {'met' if t['longest_met'] else 'not met'})")
             lines.append(text)
     goal = report.get("checkpoint_targets") or {}
     if goal:
         lines += ["", f"Checkpointing (issue 18) at S = {goal['seq_len']}, against `checkpoint=\"none\"` (the defaults):"]
-        for name in BURSTC_ROWS[1:]:
-            if name not in goal:
-                continue
+        for name in [n for n in goal if base_row(n) in BURSTC_ROWS[1:]]:
             t = goal[name]
-            text = (f"- {LABELS[name]}: step {t['step_vs_none']:.2f}x none's, activation memory "
+            text = (f"- {label(name)}: step {t['step_vs_none']:.2f}x none's, activation memory "
                     f"{t['activation_vs_none']:.2f}x, peak {t['peak_mib']:.0f} MiB")
             if "longest" in t:
                 text += f"; longest under the cap {t['longest']} ({t['longest_vs_none']:.2f}x none's)"
@@ -679,10 +723,17 @@ def markdown(report: dict) -> str:
                 text += (f" (targets: step <= 1.10x {'met' if t['step_met'] else 'not met'}, activation <= 0.60x "
                          f"{'met' if t['activation_met'] else 'not met'})")
             lines.append(text)
-        if "selective_vs_torch_budget" in goal:
-            v = goal["selective_vs_torch_budget"]
-            lines.append(f"- selective against torch's activation_memory_budget on the same sharded model: "
-                         f"{v['step_ratio']:.2f}x its tokens/s at {v['peak_ratio']:.2f}x its peak")
+        if "selective_vs_torch" in goal:
+            v = goal["selective_vs_torch"]
+            each = "; ".join(f"{label(n)}: {e['tokens_ratio']:.2f}x its tokens/s at {e['peak_ratio']:.2f}x its peak"
+                             for n, e in v["each"].items())
+            lines.append(f"- selective against torch's answers on the same sharded model: {each}")
+            if v["equal_memory_answer"]:
+                lines.append(f"- at equal memory (the fastest of torch's answers within selective's peak, "
+                             f"{label(v['equal_memory_answer'])}): {v['equal_memory_tokens_ratio']:.2f}x its "
+                             f"tokens/s (target >= 1.10x: {'met' if v['equal_memory_met'] else 'not met'})")
+            else:
+                lines.append("- at equal memory: none of torch's answers gets down to selective's peak (target met)")
     return "\n".join(lines) + "\n"
 
 
@@ -703,8 +754,8 @@ def plots(report: dict, directory: Path) -> list[Path]:
         for name, row in report["results"].items():
             cells = sorted(row.get("by_seq_len", {}).items())
             if cells:
-                style = "-o" if name in BURSTC_ROWS else ("--s" if name in SHARDED_PEERS else ":^")
-                ax.plot([s for s, _ in cells], [c[key] for _, c in cells], style, label=LABELS[name])
+                style = "-o" if base_row(name) in BURSTC_ROWS else ("--s" if name in SHARDED_PEERS else ":^")
+                ax.plot([s for s, _ in cells], [c[key] for _, c in cells], style, label=label(name))
         if key == "peak_mib_per_rank" and report["config"]["memory_cap_mib"]:
             ax.axhline(report["config"]["memory_cap_mib"], color="grey", lw=0.8, label="memory cap")
         ax.set_xscale("log", base=2)
@@ -734,22 +785,22 @@ def pareto_frontier(points: list[tuple]) -> list[tuple]:
 
 
 def checkpoint_pareto(report: dict, plt):
-    """Peak memory against step time of burstc's checkpoint rows (and torch's budget on the same model), one
-    marker per row and sequence length, the frontier per length drawn: the points no other point beats on both.
-    None unless at least two of those rows ran."""
-    rows = {name: report["results"][name] for name in BURSTC_ROWS
-            if report["results"].get(name, {}).get("by_seq_len")}
+    """Peak memory against step time of burstc's checkpoint rows (and torch's answers on the same model: each
+    budget, the SAC policy), one marker per row and sequence length, the frontier per length drawn: the points no
+    other point beats on both.  None unless at least two of those rows ran."""
+    rows = {name: row for name, row in report["results"].items()
+            if base_row(name) in BURSTC_ROWS and row.get("by_seq_len")}
     if len(rows) < 2:
         return None
     fig, ax = plt.subplots(figsize=(10.5, 5))
     seq_lens = sorted({s for row in rows.values() for s in row["by_seq_len"]})
-    markers = dict(zip(BURSTC_ROWS, "osD^v"))
+    markers = dict(zip(rows, "osD^vP*XhH<>p8d|_"))
     for color, seq_len in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], seq_lens):
         points = [(row["by_seq_len"][seq_len]["step_s"], row["by_seq_len"][seq_len]["peak_mib_per_rank"], name)
                   for name, row in rows.items() if seq_len in row["by_seq_len"]]
         for step, peak, name in points:
             ax.scatter(step, peak, color=color, marker=markers[name], s=45,
-                       label=f"{LABELS[name]}" if seq_len == seq_lens[0] else None)
+                       label=f"{label(name)}" if seq_len == seq_lens[0] else None)
         frontier = pareto_frontier(points)
         ax.plot([p[0] for p in frontier], [p[1] for p in frontier], "-", color=color, lw=1,
                 label=f"S = {seq_len}: frontier")
@@ -788,7 +839,7 @@ def sweep(rows: list[str], seq_lens: list[int], args, shape: ModelShape, peak_fl
                 if "skipped" in results[row]:
                     continue
                 ranks = _row_ranks(row, args.ranks)
-                cases[row] = Case(row, seq_len, ranks, shape, args.steps, args.budget, args.burstc_backend, args.seed)
+                cases[row] = case_of(row, seq_len, args, shape, args.steps)
                 try:
                     prepared[row] = groups[ranks].run(prepare_case, cases[row])
                 except Exception as exc:
@@ -849,7 +900,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-heads", type=int, default=ModelShape.kv_heads)
     parser.add_argument("--ffn", type=int, default=ModelShape.ffn)
     parser.add_argument("--vocab", type=int, default=ModelShape.vocab)
-    parser.add_argument("--budget", type=float, default=0.5, help="activation_memory_budget of compile_budget")
+    parser.add_argument("--budgets", "--budget", type=float, nargs="+", default=[0.5],
+                        help="torch's activation_memory_budget of the rows compile_budget and burstc_torch_budget: "
+                             "one row per value (keyed row@value)")
     parser.add_argument("--burstc-backend", choices=["inductor", "aot_eager"], default="inductor",
                         help="burstc.compile's backend (its default: inductor)")
     parser.add_argument("--memory-cap-mib", type=float, default=128.0,
@@ -902,20 +955,21 @@ def main(argv=None) -> int:
                "peak_gflops": peak_flops / 1e9,
                "peak_method": "best of 10 fp32 1024^3 torch.mm on one thread, measured at the start"}
     seq_lens = sorted(set(args.seq_lens))
-    progress = _Progress(len(rows) * len(seq_lens) * (1 + args.steps), not args.no_progress)
+    progress = _Progress(len(expand_rows(rows, args.budgets)) * len(seq_lens) * (1 + args.steps),
+                         not args.no_progress)
     started = time.perf_counter()
-    results = sweep(rows, seq_lens, args, shape, peak_flops, progress)
+    results = sweep(expand_rows(rows, args.budgets), seq_lens, args, shape, peak_flops, progress)
     if args.memory_cap_mib > 0:
         for row, entry in results.items():
             if "by_seq_len" in entry:
-                base = Case(row, 0, _row_ranks(row, args.ranks), shape, 1, args.budget, args.burstc_backend, args.seed)
+                base = case_of(row, 0, args, shape, 1)
                 entry["longest_under_cap"] = longest_under_cap(
                     base, entry["by_seq_len"], args.memory_cap_mib, max_seq_len=args.max_seq_len,
                     bisect=args.cap_bisect, timeout_s=args.timeout_s, peak_flops=peak_flops, progress=progress)
     progress.close()
     machine["load_end"] = os.getloadavg()[0]
     config = {"ranks": args.ranks, "seq_lens": seq_lens, "rows": rows, "steps": args.steps,
-              "shape": dataclasses.asdict(shape), "budget": args.budget, "burstc_backend": args.burstc_backend,
+              "shape": dataclasses.asdict(shape), "budgets": args.budgets, "burstc_backend": args.burstc_backend,
               "memory_cap_mib": args.memory_cap_mib, "max_seq_len": args.max_seq_len, "cap_bisect": args.cap_bisect,
               "command": " ".join(["burstc bench"] + [shlex.quote(a) for a in argv]),
               "wall_s": time.perf_counter() - started}

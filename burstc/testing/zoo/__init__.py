@@ -59,6 +59,8 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     windowed_hf_llama,
     hf_loss_autocast,
     hf_llama_checkpointed,
+    hf_llama_sac_checkpointed,
+    save_matmuls_context,
 )
 from burstc.testing.zoo.handwritten import (  # noqa: F401
     MeanPooled,

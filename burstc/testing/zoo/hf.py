@@ -213,6 +213,37 @@ def hf_llama_checkpointed():
     return model.train()
 
 
+def _save_matmuls_policy(ctx, op, *args, **kwargs):
+    """torchtitan's op-level selective activation checkpointing with every matmul kept: the outputs of the matmuls
+    and of attention (SDPA, or burstc's ring op once burstc has rewritten it) are saved, the rest recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.burstc.ring_attention_forward.default}
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_matmuls_context():
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for the save-matmuls policy (a user's selective
+    activation checkpointing, as torchtitan writes it)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    import burstc.ops.ring_attention  # noqa: F401  (registers torch.ops.burstc.*)
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+def hf_llama_sac_checkpointed():
+    """HF's activation checkpointing with a selective policy (save every matmul and attention, recompute the
+    rest), as ``gradient_checkpointing_kwargs`` passes it to ``torch.utils.checkpoint``."""
+    model = hf_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                       "context_fn": save_matmuls_context})
+    return model.train()
+
+
 def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000):
     import transformers
 
