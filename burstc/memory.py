@@ -523,6 +523,9 @@ class MemoryEstimate:
     saved_total: int = 0
     saved_by_layer: dict = dataclasses.field(default_factory=dict)
     backend: str = ""
+    # Inductor graphs replayed in the order its scheduler ran their kernels (False: the FX graphs' order, as when
+    # Inductor's cache served them and no scheduling ran)
+    scheduled: bool = False
 
     @property
     def resident(self) -> int:
@@ -546,7 +549,9 @@ class MemoryEstimate:
                 + f") + step {_fmt_bytes(self.step_peak)} at {self.peak_phase} `{self.peak_node}` (saved activations "
                 f"{_fmt_bytes(self.saved_activations)}, gradients {_fmt_bytes(self.gradients)}, op buffers "
                 f"{_fmt_bytes(self.op_buffers)}, temporaries {_fmt_bytes(self.temporaries)})"
-                + ("; replayed in the FX graph's order: Inductor's schedule can hold more" if self.backend == "inductor"
+                + (("; replayed in Inductor's kernel order (its fusion, not modelled, can keep a few more buffers "
+                    "alive)" if self.scheduled else "; replayed in the FX graphs' order (Inductor's cache served "
+                    "them: no schedule seen), which can hold less than Inductor's") if self.backend == "inductor"
                    else ""))
 
 
@@ -593,7 +598,8 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
         raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
                          f"got {optimizer!r}")
     estimate = MemoryEstimate(parameters=parameters, buffers=buffers, backend=backend,
-                              optimizer_state=OPTIMIZER_STATES.get(optimizer, 0) * parameters)
+                              optimizer_state=OPTIMIZER_STATES.get(optimizer, 0) * parameters,
+                              scheduled=any(s.get("forward") or s.get("backward") for s in schedules))
     storages = _Storages()
     held: dict[tuple, int] = {}  # counted storages live between graphs: saved values, then gradients
     saved_keys: list[set] = []

@@ -100,6 +100,22 @@ def test_saved_activations_match_the_runtime_on_one_device():
     assert counted == parameter_bytes and adamw_state == 2 * parameter_bytes  # exp_avg and exp_avg_sq
 
 
+def test_summary_says_which_order_an_inductor_graph_was_replayed_in():
+    from burstc.memory import predict_graphs
+
+    def f(x, w):
+        return ((x @ w).relu().sum(0),)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(8, 4), torch.randn(4, 4))
+    for node in gm.graph.nodes:  # make_fx recorded the values; the replay reads node.meta["val"]
+        assert "val" in node.meta or node.op == "output"
+    seen = predict_graphs([(gm, gm, 1)], backend="inductor", schedules=[{"forward": {"mm": 0, "relu": 1}}])
+    unseen = predict_graphs([(gm, gm, 1)], backend="inductor")
+    assert seen.scheduled and not unseen.scheduled
+    assert "Inductor's kernel order" in seen.summary() and "FX graphs' order" in unseen.summary()
+    assert "order" not in predict_graphs([(gm, gm, 1)], backend="aot_eager").summary()
+
+
 def test_unknown_optimizer_is_an_error():
     from burstc.memory import predict_graphs
 
