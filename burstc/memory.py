@@ -25,12 +25,13 @@ K/V (or Q, dO, LSE, delta) shards, its fp32 accumulators and partial-gradient bu
 
 Not modelled: the optimizer step's own temporaries (its state is counted when an optimizer is given), the
 allocator's rounding and fragmentation, memory outside torch tensors (on CPU, ``VmHWM`` counts every byte the
-process touches), and Inductor's schedule: the replay follows the FX graph's order (what ``aot_eager`` runs);
-Inductor's generated backward defers some weight-gradient matmuls and keeps what they read alive longer,
-so under Inductor checkpointed modes measured ~1.5x the predicted step memory (README, "Memory").
+process touches).  Under Inductor the replay follows what its scheduler did (:func:`inductor_schedule`): the
+kernels' order, which values got buffers, and the last kernel reading each; under ``aot_eager``, and when
+Inductor's cache served a graph, the FX graph's order (README, "Memory").
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import ctypes.util
@@ -205,38 +206,77 @@ class _Storages:
         self.counted: set[tuple] = set()  # allocated by the step (not the caller's parameters and inputs)
 
 
-@contextlib.contextmanager
-def inductor_schedule() -> Iterator[dict[str, int]]:
-    """While Inductor compiles a graph inside, fill the yielded dict with the order its scheduler runs the graph's
-    FX nodes in: node name -> position of the first kernel that computes it (after fusion and Inductor's own
-    reordering, which runs some weight-gradient matmuls later than the FX order and so keeps what they read alive
-    longer).  Empty when Inductor's cache served the graph (no scheduling ran)."""
-    from torch._inductor.scheduler import Scheduler
+class KernelSchedule(dict):
+    """What Inductor's scheduler did with one graph (:func:`inductor_schedule`): as a dict, FX node name -> position
+    of the first kernel that computes it; ``materialized``: the FX nodes whose value Inductor keeps in a buffer of
+    its own (the others were fused into the kernels that read them); ``last_reads``: FX node name (a materialized
+    node, or a graph input) -> position of the last kernel that reads its buffer (a kernel that recomputes a fused
+    pointwise op reads that op's inputs, so they live as long as that kernel's)."""
 
-    positions: dict[str, int] = {}
+    def __init__(self):
+        super().__init__()
+        self.materialized: set[str] = set()
+        self.last_reads: dict[str, int] = {}
+
+
+def _fx_origin(ir_node, positions: dict[str, int]) -> str | None:
+    """The FX node an Inductor buffer holds the value of: its origin node, else the latest of its origins."""
+    origin = getattr(ir_node, "origin_node", None)
+    if origin is not None:
+        return origin.name
+    names = [o.name for o in (getattr(ir_node, "origins", None) or ()) if o.name in positions]
+    return max(names, key=lambda n: positions[n]) if names else None
+
+
+def _record_kernels(scheduler, schedule: KernelSchedule, removed: set[str]) -> None:
+    for index, snode in enumerate(scheduler.nodes):
+        for part in snode.get_nodes():
+            for origin in getattr(getattr(part, "node", None), "origins", None) or ():
+                schedule.setdefault(getattr(origin, "name", ""), index)
+    holds: dict[str, str] = {}  # Inductor buffer name -> FX node name
+    for snode in scheduler.nodes:
+        for part in snode.get_nodes():
+            for buf in part.get_outputs():
+                origin = _fx_origin(buf.node, schedule)
+                if origin is not None and buf.get_name() not in removed:
+                    holds[buf.get_name()] = origin
+                    schedule.materialized.add(origin)
+    for index, snode in enumerate(scheduler.nodes):
+        for dep in snode.read_writes.reads:
+            name = holds.get(dep.name, dep.name)  # graph inputs keep their FX names
+            schedule.last_reads[name] = max(schedule.last_reads.get(name, -1), index)
+
+
+@contextlib.contextmanager
+def inductor_schedule() -> Iterator[KernelSchedule]:
+    """While Inductor compiles a graph inside, fill the yielded :class:`KernelSchedule`: the order its scheduler
+    runs the graph's FX nodes in (after fusion and Inductor's own reordering, which runs some weight-gradient
+    matmuls later than the FX order and so keeps what they read alive longer), which values get buffers, and
+    the last kernel reading each.  Empty when Inductor's cache served the graph (no scheduling ran)."""
+    from torch._inductor.scheduler import Scheduler
+    from torch._inductor.virtualized import V
+
+    schedule = KernelSchedule()
     original = Scheduler.codegen
 
     def codegen(scheduler):
-        for index, snode in enumerate(scheduler.nodes):
-            for part in snode.get_nodes():
-                for origin in getattr(getattr(part, "node", None), "origins", None) or ():
-                    positions.setdefault(getattr(origin, "name", ""), index)
-        return original(scheduler)
+        result = original(scheduler)
+        # after codegen: the buffers fusion removed (read and written inside one kernel only) are known
+        removed = set(getattr(V.graph, "removed_buffers", ())) | set(getattr(V.graph, "inplaced_to_remove", ()))
+        _record_kernels(scheduler, schedule, removed)
+        return result
 
     Scheduler.codegen = codegen
     try:
-        yield positions
+        yield schedule
     finally:
         Scheduler.codegen = original
 
 
-def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list[fx.Node]:
-    """``gm``'s nodes in ``schedule``'s order (:func:`inductor_schedule`); a node the schedule does not name (a view,
-    a getitem, one Inductor never materializes) runs right after its inputs.  Ties keep the graph's order, so the
-    result stays topological.  ``None`` or empty: the graph's order."""
+def _scheduled_keys(gm: fx.GraphModule, schedule: dict[str, int]) -> dict[fx.Node, int]:
+    """Each node's kernel position: the schedule's, or (a node it does not name: a view, a getitem, one Inductor
+    never materializes) its latest input's."""
     nodes = list(gm.graph.nodes)
-    if not schedule:
-        return nodes
     key: dict[fx.Node, int] = {}
     for node in nodes:
         known = schedule.get(node.name)
@@ -244,6 +284,17 @@ def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list
         key[node] = max(known, after) if known is not None else after
         if node.op == "output":
             key[node] = len(schedule) + len(nodes)
+    return key
+
+
+def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list[fx.Node]:
+    """``gm``'s nodes in ``schedule``'s order (:func:`inductor_schedule`); a node the schedule does not name runs
+    right after its inputs.  Ties keep the graph's order, so the result stays topological.  ``None`` or empty:
+    the graph's order."""
+    nodes = list(gm.graph.nodes)
+    if not schedule:
+        return nodes
+    key = _scheduled_keys(gm, schedule)
     position = {node: i for i, node in enumerate(nodes)}
     return sorted(nodes, key=lambda n: (key[n], position[n]))
 
@@ -261,6 +312,12 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
     inputs = inputs or {}
     keys: dict[fx.Node, list] = {}
     order = scheduled_order(gm, schedule)
+    kernels = schedule if isinstance(schedule, KernelSchedule) and schedule.materialized else None
+
+    def fused_away(node, outs) -> bool:
+        return (kernels is not None and node.op == "call_function" and len(outs) == 1
+                and node.name in kernels and node.name not in kernels.materialized
+                and not any(u.op == "output" for u in node.users))
     for node in order:
         outs = _tensors(node.meta.get("val"))
         if node.op == "placeholder":
@@ -277,6 +334,8 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
         elif node.op in ("call_function", "call_method") and _aliases_first_input(node):
             base = _first_tensor_arg(node)
             keys[node] = keys.get(base, [])[:1] * len(outs) if base is not None else []
+        elif fused_away(node, outs):
+            keys[node] = []  # Inductor computes it inside the kernels that read it: no buffer
         elif node.op in ("call_function", "call_method", "call_module"):
             keys[node] = [(tag, node.name, i) for i in range(len(outs))]
             for i, t in enumerate(outs):
@@ -300,6 +359,19 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
         if node.op == "placeholder" and not inputs_freed:
             for key in keys[node]:
                 last_use[key] = len(order)
+    if kernels is not None:
+        # a buffer lives until the last kernel that reads it, which can be later than its last FX user: a fused
+        # kernel recomputes the pointwise ops it absorbed from their inputs
+        step_keys = _scheduled_keys(gm, schedule)
+        steps = [step_keys[node] for node in order]
+        for node in order:
+            last_kernel = kernels.last_reads.get(node.name)
+            if last_kernel is None:
+                continue
+            until = bisect.bisect_right(steps, last_kernel) - 1  # the last node that runs in or before that kernel
+            for key in keys[node]:
+                if last_use.get(key, -1) < until:
+                    last_use[key] = until
     live = {key: storages.bytes[key] for arg in inputs.values() for key in arg if key in storages.counted}
     live_bytes = sum(live.values())
     frees: dict[int, list] = {}  # node index -> keys whose last use it is

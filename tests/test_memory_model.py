@@ -280,6 +280,61 @@ def test_replay_frees_at_last_use_and_views_share_storage():
     assert len(returned) == 1
 
 
+def test_replay_follows_inductor_buffers_and_their_last_kernel():
+    """Under a kernel schedule, a value Inductor fused away takes no memory, and a buffer lives until the last
+    kernel reading it (a fused kernel that recomputes a pointwise op reads that op's input)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from burstc.memory import KernelSchedule, _Storages, replay
+
+    def f(x, w):
+        y = x @ w                    # 64 KiB, a buffer (extern matmul)
+        z = y.relu()                 # fused away: recomputed from y by the kernels that read it
+        u = z * 3                    # 64 KiB, a buffer
+        v = u.sum()
+        return v + z.sum()           # last kernel: reads y (recomputing z)
+
+    gm = make_fx(f)(torch.randn(128, 32), torch.randn(32, 128))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert names == ["mm", "relu", "mul", "sum_1", "sum_2", "add"]
+    plain, _ = replay(gm, _Storages(), "f", schedule={"mm": 0, "relu": 1, "mul": 1, "sum_1": 2, "sum_2": 3, "add": 3})
+    schedule = KernelSchedule()
+    schedule.update({"mm": 0, "relu": 1, "mul": 1, "sum_1": 2, "sum_2": 3, "add": 3})
+    schedule.materialized |= {"mm", "mul", "sum_1", "add"}
+    schedule.last_reads.update({"mm": 3, "mul": 2, "sum_1": 3})
+    kernels, _ = replay(gm, _Storages(), "f", schedule=schedule)
+    buffer = 128 * 128 * 4
+    # FX: y dies after relu, z lives to sum_2; Inductor: z has no buffer, y lives until the last kernel (which
+    # reads it to recompute z), u until sum_1; both peak at sum_1 with two buffers
+    assert plain.peak_bytes == kernels.peak_bytes == 2 * buffer + 4
+    assert {key[1] for key in plain.live_at_peak} == {"relu", "mul", "sum_1"}
+    assert {key[1] for key in kernels.live_at_peak} == {"mm", "mul", "sum_1"}
+    # read last by kernel 1 (relu and mul fused), y is gone before sum_1: the peak is y and u at mul
+    schedule.last_reads["mm"] = 1
+    early, _ = replay(gm, _Storages(), "f", schedule=schedule)
+    assert early.peak_bytes == 2 * buffer and early.peak_node == "mul"
+
+
+def test_inductor_schedule_records_buffers_and_last_reads():
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from burstc.memory import inductor_schedule
+
+    def f(x, w):
+        y = x @ w
+        return ((y.relu() * 3).sum(0) + y.sum(0),)
+
+    inputs = [torch.randn(64, 32), torch.randn(32, 64)]
+    traced = make_fx(f)(*inputs)
+    with torch._inductor.config.patch(fx_graph_cache=False), inductor_schedule() as schedule:
+        compile_fx_inner(traced, inputs)
+    assert "mm" in schedule.materialized and "relu" not in schedule.materialized  # relu fused into its reader
+    assert schedule.last_reads["mm"] >= schedule["mm"] and schedule.last_reads["mm"] >= schedule["relu"]
+    inputs_named = {n.name for n in traced.graph.nodes if n.op == "placeholder"}
+    assert inputs_named <= set(schedule.last_reads)  # graph inputs, by their FX names
+
+
 def test_two_level_rings_add_their_buffers_to_the_flat_rings():
     from burstc.memory import two_level_ring_buffers
 
