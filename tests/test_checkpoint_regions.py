@@ -97,6 +97,16 @@ def test_user_selective_policy_keeps_working(workers):
         assert facts["forward_outputs"] > facts["plain"]["forward_outputs"]  # it saves the matmuls too
 
 
+def test_every_other_layer_checkpointed_by_the_newer_hf_entry_point(workers):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
+        pytest.skip("transformers before 5.x: no activation_checkpointing_enable")
+    results = assert_equivalent(zoo.hf_llama_every_other_layer_checkpointed, zoo.hf_inputs, zoo.hf_loss_default,
+                                world_size=2, group=workers.get(2), backend="aot_eager")
+    kinds = [k for k, _ in results[0]["rewrites"]]
+    assert kinds.count("attention") == 2 and kinds.count("checkpoint_region") == 1  # of the 2 layers, one
+
+
 def test_single_device_keeps_checkpointing():
     import burstc
 

@@ -60,6 +60,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_autocast,
     hf_llama_checkpointed,
     hf_llama_sac_checkpointed,
+    hf_llama_every_other_layer_checkpointed,
     save_matmuls_context,
 )
 from burstc.testing.zoo.handwritten import (  # noqa: F401

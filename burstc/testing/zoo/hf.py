@@ -244,6 +244,16 @@ def hf_llama_sac_checkpointed():
     return model.train()
 
 
+def hf_llama_every_other_layer_checkpointed():
+    """transformers' newer entry point (``activation_checkpointing_enable``, 5.x; ``gradient_checkpointing_enable``
+    is deprecated there) checkpointing every second decoder layer only."""
+    model = hf_llama()
+    if not hasattr(model, "activation_checkpointing_enable"):
+        raise RuntimeError("this transformers has no activation_checkpointing_enable (before 5.x)")
+    model.activation_checkpointing_enable(every_n_layers=2)
+    return model.train()
+
+
 def _llama_config(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000):
     import transformers
 
