@@ -785,7 +785,7 @@ class MemoryPlan:
 
     graph_id: int
     budget: int
-    mode: str  # one of PLANNED_MODES
+    mode: str  # one of PLANNED_MODES, or "selective:f" with a refined f
     predicted: dict
     fits: bool
     kept: tuple = ()  # the chosen mode's burstc.kept_rows.KeptRows (a "selective:f" mode)
@@ -825,20 +825,28 @@ def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
     return copy
 
 
+# bisection steps between the largest grid fraction that fits and the next larger one that does not: the kept
+# fraction memory_budget picks is then within (grid step) / 2**3 = 1/32 of the largest that fits
+KEEP_REFINE_STEPS = 3
+
+
 def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
                             backend: str, world_size: int, parameters: int, buffers: int, graph_id: int):
     """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
     :data:`PLANNED_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
     return the first mode's (forward, backward) that fits, else the least memory's; and the
-    :class:`MemoryPlan`."""
+    :class:`MemoryPlan`.  When a kept fraction fits and the next larger one tried did not, the fraction is
+    refined by bisection between them (:data:`KEEP_REFINE_STEPS`): the most rows kept that fit."""
     from burstc.kept_rows import keep_attention_rows, retag_for_recompute
 
     partitions, predicted, kept = {}, {}, {}
-    for mode in PLANNED_MODES:
+
+    def fits(mode) -> bool | None:
+        """Partition and predict ``mode``; None when it does not apply (no attention can keep part of its rows)."""
         base, _, keep = mode.partition(":")
         tagged = _mode_tags(joint, base)
         if keep and not retag_for_recompute(tagged):
-            continue  # no attention whose output can be kept in part
+            return None
         partitions[mode] = partition(tagged, joint_inputs, **partition_kwargs)
         if keep:
             kept[mode] = tuple(keep_attention_rows(*partitions[mode], float(keep), partition_kwargs["num_fwd_outputs"],
@@ -846,7 +854,24 @@ def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, part
         estimate = predict_graphs([(*partitions[mode], world_size)], backend=backend, parameters=parameters,
                                   buffers=buffers)
         predicted[mode] = estimate.peak
-        if estimate.peak <= budget:
+        return estimate.peak <= budget
+
+    too_many_kept = None  # the largest kept fraction tried that did not fit ("selective": all rows, 1.0)
+    for mode in PLANNED_MODES:
+        fit = fits(mode)
+        base, _, keep = mode.partition(":")
+        if fit and keep and too_many_kept is not None:
+            fitting, over = float(keep), too_many_kept
+            for _ in range(KEEP_REFINE_STEPS):
+                middle = round((fitting + over) / 2, 6)
+                if fits(f"selective:{middle:g}"):
+                    fitting = middle
+                else:
+                    over = middle
+            mode = f"selective:{fitting:g}"
+        if fit:
             return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=True, kept=kept.get(mode, ()))
+        if fit is False and base == "selective":
+            too_many_kept = float(keep) if keep else 1.0
     mode = min(predicted, key=lambda m: (predicted[m], PLANNED_MODES.index(m)))
     return partitions[mode], MemoryPlan(graph_id, budget, mode, predicted, fits=False, kept=kept.get(mode, ()))

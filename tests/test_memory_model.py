@@ -116,6 +116,48 @@ def test_summary_says_which_order_an_inductor_graph_was_replayed_in():
     assert "order" not in predict_graphs([(gm, gm, 1)], backend="aot_eager").summary()
 
 
+def test_budget_refines_the_kept_fraction_between_grid_points(monkeypatch):
+    """memory_budget's kept fraction: the grid (1.0, 0.75, 0.5, 0.25) brackets the largest that fits, bisection
+    refines it; with a peak linear in the fraction, the choice is the largest fraction on the 1/32 grid that fits."""
+    import burstc.kept_rows
+    import burstc.memory as memory
+
+    current = {}  # the mode being planned: _mode_tags gets its base, keep_attention_rows its fraction
+
+    def tags(joint, base):
+        current.update(base=base, keep=None)
+        return joint
+
+    def keep_rows(forward, backward, keep, num_fwd_outputs, world_size):
+        current["keep"] = keep
+        return ()
+
+    def predict(records, **kwargs):  # none 500, selective 100 + 200 x kept fraction, layers 90
+        base, keep = current["base"], current["keep"]
+        peak = {"none": 500, "layers": 90}.get(base, 100 + 200 * (1.0 if keep is None else keep))
+        return memory.MemoryEstimate(step_peak=int(peak))
+
+    monkeypatch.setattr(memory, "_mode_tags", tags)
+    monkeypatch.setattr(memory, "predict_graphs", predict)
+    monkeypatch.setattr(burstc.kept_rows, "retag_for_recompute", lambda tagged: True)
+    monkeypatch.setattr(burstc.kept_rows, "keep_attention_rows", keep_rows)
+
+    def plan(budget):
+        return memory.partition_within_budget(lambda tagged, inputs, **kw: ("fw", "bw"), None, None,
+                                              {"num_fwd_outputs": 1}, budget=budget, backend="aot_eager",
+                                              world_size=2, parameters=0, buffers=0, graph_id=0)[1]
+
+    # 260 fits kept <= 0.8: grid 0.75 fits, 1.0 not; bisection 0.875 (275, over), 0.8125 (262, over), 0.78125 (256)
+    chosen = plan(260)
+    assert chosen.fits and chosen.mode == "selective:0.78125" and chosen.predicted[chosen.mode] == 256
+    assert list(chosen.predicted) == ["none", "selective", "selective:0.75", "selective:0.875", "selective:0.8125",
+                                      "selective:0.78125"]
+    assert "checkpoint_keep=0.78125" in chosen.summary()
+    assert plan(1000).mode == "none" and plan(300).mode == "selective"  # no refinement when a grid mode fits first
+    assert plan(95).mode == "layers"  # below every fraction: no refinement either
+    assert plan(10).mode == "layers" and not plan(10).fits  # nothing fits: the least memory
+
+
 def test_unknown_optimizer_is_an_error():
     from burstc.memory import predict_graphs
 
@@ -207,6 +249,13 @@ def _check_choices(chosen, direct_peaks):
     for budget, mode, fits, predicted, peak, _ in chosen:
         fitting = [m for m in PLANNED_MODES if m in predicted and predicted[m] <= budget]
         assert fits == bool(fitting) and peak == predicted[mode]
+        if mode not in PLANNED_MODES:  # a kept fraction refined between the first grid fraction that fits and the
+            grid = fitting[0]            # mode before it, which did not
+            before = PLANNED_MODES[PLANNED_MODES.index(grid) - 1]
+            upper = 1.0 if before == "selective" else float(before.partition(":")[2])
+            assert grid.startswith("selective:") and float(grid[10:]) < float(mode[10:]) < upper, (mode, predicted)
+            assert predicted[mode] <= budget, (mode, budget, predicted)
+            continue
         assert mode == (fitting[0] if fitting else min(predicted, key=predicted.get)), (budget, predicted)
         for m, p in predicted.items():
             if m in direct_peaks:  # the modes compiled directly
