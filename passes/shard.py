@@ -39,7 +39,7 @@ from burstc.ops.ring_comm import UlyssesRing, reduction_group
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, document_ids
 from burstc.layout import AUTO, DOCUMENTS, required_multiple, static_stand_in
 from burstc.ops.linear_cross_entropy import PADDING_TARGET
-from burstc.ops.sequence import grad_all_reduce, loss_all_reduce  # also registers burstc::shard_seq/gather_seq
+from burstc.ops.sequence import grad_all_reduce, loss_all_reduce, sum_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_place_writes, is_function, node_named, \
@@ -306,9 +306,17 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             node.update_kwarg(summed, masked)
 
     for node in plan.sums_over_ranks:  # this rank's part of a sum over every token: summed over the ranks
+        count = plan.means_over_ranks.get(node)
+        if count is not None:  # a mean: this rank's sum now, the whole count's division after the all-reduce
+            node.target = "sum" if node.op == "call_method" else torch.sum
+        reduce = sum_all_reduce if node in plan.sums_with_partial_gradient else loss_all_reduce
         with graph.inserting_after(node):
-            total = graph.call_function(loss_all_reduce, (node, reduction_group(group_name)))
-        node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
+            total = graph.call_function(reduce, (node, reduction_group(group_name)))
+        result = total
+        if count is not None:
+            with graph.inserting_after(total):
+                result = graph.call_function(operator.truediv, (total, count))
+        node.replace_all_uses_with(result, delete_user_cb=lambda u: u is not total)
 
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     gathered = []
@@ -452,6 +460,7 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         "losses": len(plan.losses), "reduce_grads": config.reduce_grads,
         "gathered_outputs": gathered or None, "expert_dispatches": _rank_local_sorts(plan) or None,
         "sums_over_ranks": len(plan.sums_over_ranks) or None,
+        "means_over_ranks": len(plan.means_over_ranks) or None,
         "sums_masking_pads": len(plan.pads_masked) or None,
         **layout_details,
     }, module="")

@@ -247,8 +247,8 @@ def test_softmax_over_hidden_passes_and_over_the_sequence_is_refused():
 def test_reduction_over_hidden_passes_and_over_the_sequence_is_refused():
     analyzer = analyze(lambda ids, t: embed(ids, t).mean(dim=-1), tokens(), TABLE)
     assert place_of(analyzer, "mean") == Shard(1)
-    why = refusal(lambda ids, t: embed(ids, t).mean(dim=1), tokens(), TABLE)
-    assert why.code == CODES.reduces_sequence and why.reason == "`.mean` reduces over the sequence dim"
+    why = refusal(lambda ids, t: embed(ids, t).amax(dim=1), tokens(), TABLE)
+    assert why.code == CODES.reduces_sequence and why.reason == "`.amax` reduces over the sequence dim"
     why = refusal(lambda ids, t: embed(ids, t).amax(), tokens(), TABLE)
     assert why.code == CODES.reduces_sequence and "all dims" in why.reason
 
@@ -263,6 +263,16 @@ def test_a_sum_over_the_sequence_is_summed_over_the_ranks():
     # counts over the data's own range would be each rank's own range
     why = refusal(lambda ids, t: torch.histc(embed(ids, t), bins=4), tokens(), TABLE)
     assert why.code == CODES.reduces_sequence and "own range" in why.reason
+
+
+def test_a_mean_over_the_sequence_is_a_sum_over_the_ranks_over_the_whole_count():
+    for fn, count in ((lambda ids, t: embed(ids, t).mean(dim=1) * 2, S),
+                      (lambda ids, t: embed(ids, t).mean(dim=(0, 1)) * 2, B * S),
+                      (lambda ids, t: torch.mean(embed(ids, t).float()) * 2, B * S * H)):
+        analyzer = analyze(fn, tokens(), TABLE)
+        (summed,) = analyzer.plan.sums_over_ranks
+        assert analyzer.plan.means_over_ranks == {summed: count}
+        assert analyzer.place(summed) == REPLICATE and place_of(analyzer, operator.mul) == REPLICATE
 
 
 def test_a_sum_over_the_sequence_masks_the_rows_the_layout_pads():

@@ -99,9 +99,27 @@ def test_values_narrower_or_wider_than_queries(workers, model_fn, head_dim):
 
 
 def test_position_mixing_model_is_refused_and_still_exact(workers):
-    results = assert_equivalent(zoo.mean_pooled, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+    results = assert_equivalent(zoo.max_pooled, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
                                 group=workers.get(2), backend="aot_eager", expect_sharded=False)
     assert [c for c in results[0]["skip_codes"] if c.startswith("shard.")] == ["shard.reduces_sequence"]
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (3, "contiguous")])
+def test_mean_over_the_sequence_is_sharded_and_exact(workers, world_size, layout):
+    """h + h.mean(dim=1): each rank sums its tokens, all-reduce, / the whole count; on 3 ranks the 16 tokens are
+    padded to 18, and the pads must not count."""
+    results = assert_equivalent(zoo.mean_pooled, zoo.titan_inputs, zoo.call_with_loss, world_size=world_size,
+                                group=workers.get(world_size), backend="aot_eager", layout=layout)
+    report = results[0]["report"]
+    assert "means_over_ranks=1" in report and "sums_over_ranks=1" in report, report
+
+
+def test_sum_over_the_sequence_used_by_every_token_gets_the_whole_gradient(workers):
+    """h + c * h.sum(1): the sum's gradient arrives in parts, one per rank's tokens; its all-reduce sums the
+    gradient too (with an identity backward, each rank's embedding gradient missed the other ranks' parts)."""
+    results = assert_equivalent(zoo.sum_pooled, zoo.titan_inputs, zoo.call_with_loss, world_size=2,
+                                group=workers.get(2), backend="aot_eager")
+    assert "sums_over_ranks=1" in results[0]["report"]
 
 
 def test_replicated_term_added_to_the_loss_is_refused_and_still_exact(workers):

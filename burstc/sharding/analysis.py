@@ -35,6 +35,12 @@ class Plan:
     # such a sum while the layout pads the sequence: node -> (argument index or name, its rows placement, fill): the
     # rewrite puts ``fill`` at the pads' rows of that argument first (0 for a sum, below the range for histc)
     pads_masked: dict = field(default_factory=dict)
+    # a mean over every token: node -> the whole (unsharded) count of the values it averages; the rewrite makes it
+    # a sum over the ranks (above) divided by that count
+    means_over_ranks: dict = field(default_factory=dict)
+    # sums over the ranks whose value flows into sharded values: their gradient arrives in parts, one per rank, and
+    # the backward sums it over the ranks (the others' gradient is whole on every rank: identity backward)
+    sums_with_partial_gradient: set = field(default_factory=set)
 
 
 def find_sequence_length(gm: fx.GraphModule) -> int:
@@ -155,7 +161,38 @@ class Analyzer:
                 self.plan.placement[node] = REPLICATE
             elif node.op == "output":
                 self.visit_output(node)
+        for node in self.plan.sums_over_ranks:
+            self.classify_sum_gradient(node)
         return self.plan
+
+    def classify_sum_gradient(self, node):
+        """How the gradient reaches a sum over the ranks.  Replicated when every path from it to the output runs
+        through replicated values only (a load-balancing loss added to the loss): every rank has all of it, the
+        all-reduce's backward is the identity.  Partial when every path passes a sharded value (``h +
+        h.mean(1)``: each rank's tokens give their part): the backward sums it over the ranks too.  Both: refused
+        (one all-reduce cannot do both)."""
+        v = val(node)
+        if not (isinstance(v, torch.Tensor) and v.requires_grad):
+            return  # counts: no gradient to route
+        replicated = partial = False
+        seen, todo = set(), list(node.users)
+        while todo:
+            user = todo.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                replicated = True
+            elif is_sharded(self.place(user)):
+                partial = True  # the rest of this path is the sharded values' (gradients arrive per rank)
+            else:
+                todo.extend(user.users)
+        if replicated and partial:
+            raise Refused(CODES.reduces_sequence,
+                          f"the sum over the sequence `{node.name}` reaches the loss both through replicated and "
+                          "through sharded values (its gradient would be part per rank and whole at once)", node)
+        if partial:
+            self.plan.sums_with_partial_gradient.add(node)
 
     def check_loss_terms(self, node):
         """A replicated value that needs gradients combined with the (all-reduced) loss, e.g. a

@@ -16,6 +16,7 @@ their order is part of what they mean; ``tests/test_shard_rules.py`` checks them
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -557,6 +558,13 @@ def reduction(analyzer, node):
         dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
     if (dims is None or d in dims) and op_name(node).lstrip(".") == "sum":
         return sum_over_ranks(analyzer, node, "a sum over the sequence")
+    if (dims is None or d in dims) and op_name(node).lstrip(".") == "mean" and not isinstance(val(x).numel(), int):
+        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` over a symbolic-length sequence", node)
+    if (dims is None or d in dims) and op_name(node).lstrip(".") == "mean":
+        # a mean over every token = the sum over the ranks / the whole count (the shapes here are unsharded)
+        shape = val(x).shape
+        analyzer.plan.means_over_ranks[node] = math.prod(shape) if dims is None else math.prod(shape[i] for i in dims)
+        return sum_over_ranks(analyzer, node, "a mean over the sequence")
     if dims is None:
         raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` reduces over all dims, including the sequence",
                       node)

@@ -66,6 +66,10 @@ from burstc.testing.zoo.hf import (  # noqa: F401
 from burstc.testing.zoo.handwritten import (  # noqa: F401
     MeanPooled,
     mean_pooled,
+    MaxPooled,
+    max_pooled,
+    SumPooled,
+    sum_pooled,
     Bidirectional,
     bidirectional,
     InPlaceScatter,

@@ -4,7 +4,8 @@ import torch
 
 
 class MeanPooled(torch.nn.Module):
-    """Mixes positions outside attention (mean over the sequence): the shard pass must refuse."""
+    """Mixes positions outside attention with a mean over the sequence (every token sees the whole sequence's
+    mean): the shard pass sums each rank's tokens, all-reduces and divides by the whole count."""
 
     def __init__(self):
         super().__init__()
@@ -21,6 +22,36 @@ class MeanPooled(torch.nn.Module):
 def mean_pooled():
     torch.manual_seed(0)
     return MeanPooled()
+
+
+class SumPooled(MeanPooled):
+    """Every token sees a sum over the whole sequence: the sum's gradient comes from every rank's tokens."""
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + 0.05 * h.sum(dim=1, keepdim=True)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def sum_pooled():
+    torch.manual_seed(0)
+    return SumPooled()
+
+
+class MaxPooled(MeanPooled):
+    """Mixes positions outside attention with a max over the sequence: the shard pass must refuse."""
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = h + h.amax(dim=1, keepdim=True)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+
+
+def max_pooled():
+    torch.manual_seed(0)
+    return MaxPooled()
 
 
 class Bidirectional(torch.nn.Module):
