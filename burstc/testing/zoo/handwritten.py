@@ -12,9 +12,12 @@ class MeanPooled(torch.nn.Module):
         self.emb = torch.nn.Embedding(97, 16)
         self.head = torch.nn.Linear(16, 97)
 
+    def pool(self, h):
+        return h.mean(dim=1, keepdim=True)
+
     def forward(self, ids, labels):
         h = self.emb(ids)
-        h = h + h.mean(dim=1, keepdim=True)
+        h = h + self.pool(h)
         logits = self.head(h)
         return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
 
@@ -27,11 +30,8 @@ def mean_pooled():
 class SumPooled(MeanPooled):
     """Every token sees a sum over the whole sequence: the sum's gradient comes from every rank's tokens."""
 
-    def forward(self, ids, labels):
-        h = self.emb(ids)
-        h = h + 0.05 * h.sum(dim=1, keepdim=True)
-        logits = self.head(h)
-        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+    def pool(self, h):
+        return 0.05 * h.sum(dim=1, keepdim=True)
 
 
 def sum_pooled():
@@ -42,11 +42,8 @@ def sum_pooled():
 class MaxPooled(MeanPooled):
     """Mixes positions outside attention with a max over the sequence: the shard pass must refuse."""
 
-    def forward(self, ids, labels):
-        h = self.emb(ids)
-        h = h + h.amax(dim=1, keepdim=True)
-        logits = self.head(h)
-        return torch.nn.functional.cross_entropy(logits.view(-1, 97), labels.view(-1))
+    def pool(self, h):
+        return h.amax(dim=1, keepdim=True)
 
 
 def max_pooled():
