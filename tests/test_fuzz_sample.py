@@ -283,6 +283,22 @@ def test_cases_the_long_runs_found_match_eager(workers, name):
     assert outcome.kind == "rewritten" and not outcome.failed, (outcome.kind, outcome.detail)
 
 
+# the generator's statistics over the whole sequence: sums and means into every token and into the loss are
+# sharded (their gradient arriving in parts, or whole), one value into both and a max are refused; all exact
+SEQUENCE_TERMS = {"sum_tokens": "rewritten", "mean_tokens": "rewritten", "aux_mean": "rewritten",
+                  "both": "refused", "max_tokens": "refused"}
+
+
+@pytest.mark.parametrize("term", sorted(SEQUENCE_TERMS))
+def test_statistics_over_the_sequence_match_eager(workers, term):
+    case = Case(model=ModelSpec(vocab=61, dim=16, layers=1, heads=2, kv_heads=2, head_dim=8, attention="sdpa_causal",
+                                positions="rope", norm="rms", mlp="swiglu", sequence_term=term),
+                inputs=InputSpec(batch=2, seq=17, seed=5), world_size=3,
+                options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "burst")))
+    outcome = run_case(workers, case, timeout=WORKER_RUN_TIMEOUT_S)
+    assert outcome.kind == SEQUENCE_TERMS[term] and not outcome.failed, (outcome.kind, outcome.codes, outcome.detail)
+
+
 @pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"],
                                   ["--cases", "3", "--start", "3"], ["--start", "-1"]])
 def test_cli_rejects_bad_arguments(argv, capsys):

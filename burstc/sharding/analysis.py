@@ -203,6 +203,8 @@ class Analyzer:
             return
         if not any(a in self.loss_derived for a in node.all_input_nodes):
             return
+        if is_sharded(self.place(node)):
+            return  # a sum over the ranks added into the tokens: each rank's part again, gradients in parts too
         self.loss_derived.add(node)
         for a in node.all_input_nodes:
             v = val(a)

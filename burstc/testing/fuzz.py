@@ -120,7 +120,8 @@ class Case:
                                                                       else "")
                      + (f" {m.mlp}" + (f"(k={m.moe_top_k})" if m.mlp.startswith("moe") else "")
                         if m.mlp != "swiglu" else "")
-                     + f" {m.logits_op}/{m.loss}")
+                     + f" {m.logits_op}/{m.loss}"
+                     + (f" seq:{m.sequence_term}" if m.sequence_term != "none" else ""))
         model += f" {self.precision}" if self.precision != "fp32" else ""
         i = self.inputs
         inputs = (f"B{i.batch}xS{i.seq}" + (f" docs{list(i.documents)}" if i.documents else "")
@@ -210,6 +211,8 @@ def generate_model_spec(d) -> ModelSpec:
         mlp=d.choice(["swiglu", "none", "gelu", "relu2", "moe_batched", "moe_sorted", "moe_argsort"]),
         moe_top_k=d.choice([1, 2, 3]), tied=d.boolean(0.3), head_bias=d.boolean(0.2),
         logits_op=d.choice(["none", "upcast", "scale", "div", "softcap", "scale_odd"]), loss=d.choice(LOSSES),
+        sequence_term=d.choice(["sum_tokens", "mean_tokens", "aux_mean", "both", "max_tokens"]) if d.boolean(0.1)
+        else "none",
     )
 
 
@@ -539,7 +542,7 @@ def _simpler(case: Case):
                           ("qk_norm", False), ("qkv_bias", False), ("tied", False), ("head_bias", False),
                           ("logits_op", "none"), ("loss", "ce_mean"), ("kv_heads", m.heads), ("alibi", False),
                           ("score_softcap", None), ("window", None), ("softmax_fp32", False),
-                          ("mask_source", "arange")):
+                          ("mask_source", "arange"), ("sequence_term", "none")):
         if getattr(m, field) != simple:
             yield dataclasses.replace(case, model=dataclasses.replace(m, **{field: simple}))
 

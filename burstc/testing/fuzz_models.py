@@ -61,6 +61,11 @@ class ModelSpec:
     head_bias: bool = False
     logits_op: str = "none"           # "none", "scale", "div", "softcap", "upcast", "scale_odd"
     loss: str = "ce_mean"             # see compute_generated_loss
+    # a statistic over the whole sequence after the blocks (not causal; exactness is all that is checked): "none";
+    # "sum_tokens" / "mean_tokens" (h + c * that over the sequence: every token sees it, its gradient comes from
+    # every rank's tokens); "aux_mean" (loss + c * mean(h^2): a replicated loss term); "both" (one mean into the
+    # tokens and the loss: refused); "max_tokens" (refused)
+    sequence_term: str = "none"
 
 
 @dataclass(frozen=True)
@@ -345,13 +350,24 @@ class GeneratedLM(nn.Module):
             rope = self.freqs_cis[positions]
         for block in self.blocks:
             h = block(h, rope, doc_ids, key_valid)
+        aux = None
+        if spec.sequence_term in ("sum_tokens", "mean_tokens", "max_tokens", "both"):
+            pooled = {"sum_tokens": lambda: 0.05 * h.sum(dim=1, keepdim=True),
+                      "max_tokens": lambda: h.amax(dim=1, keepdim=True)}.get(
+                spec.sequence_term, lambda: h.mean(dim=1, keepdim=True))()
+            h = h + pooled
+            if spec.sequence_term == "both":
+                aux = pooled.pow(2).sum()
+        elif spec.sequence_term == "aux_mean":
+            aux = h.float().pow(2).mean()
         h = self.final_norm(h)
         if spec.tied:
             logits = F.linear(h, self.embed.weight, self.head_bias if spec.head_bias else None)
         else:
             logits = self.lm_head(h)
         logits = _logits_op(spec.logits_op, logits)
-        return compute_generated_loss(spec.loss, logits, labels)
+        loss = compute_generated_loss(spec.loss, logits, labels)
+        return loss if aux is None else loss + 0.01 * aux
 
 
 def _logits_op(op, logits):
