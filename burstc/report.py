@@ -207,6 +207,24 @@ class Report:
         except Exception as err:  # the report must print whatever the model cannot handle
             return f"memory: not predicted ({type(err).__name__}: {err})"
 
+    def budget_check_line(self) -> str | None:
+        """When a ``memory_budget`` plan fit by its FX-order prediction but the step replayed in Inductor's kernel
+        order (its buffers, after fusion) peaks above the budget: the line that says so, else ``None``."""
+        fitting = [p for p in self.memory_plans if p.fits]
+        if not fitting or not any("backward" in g.graphs for g in self.graph_records):
+            return None
+        try:
+            estimate = self.memory
+        except Exception:  # the memory line reports it
+            return None
+        budget = min(p.budget for p in fitting)
+        if not estimate.scheduled or estimate.peak <= budget:
+            return None
+        return (f"warning: memory_budget {_fmt_bytes(budget)} per rank: the plan fit by the FX order's prediction, "
+                f"but replayed in Inductor's kernels the step peaks at {_fmt_bytes(estimate.peak)} "
+                f"({estimate.peak / budget:.2f}x the budget; Inductor's fusion keeps more alive): lower memory_budget "
+                f"by that factor")
+
     def rewrites_of(self, kind: str) -> list[RewriteRecord]:
         return [r for r in self.rewrites if r.kind == kind]
 
@@ -239,6 +257,9 @@ class Report:
         memory = self.memory_line()
         if memory is not None:
             lines.append(memory)
+        over = self.budget_check_line()
+        if over is not None:
+            lines.append(over)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(str(t) for t in self.traces)
         return "\n".join(lines)

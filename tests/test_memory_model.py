@@ -436,3 +436,23 @@ def test_inductor_schedule_names_the_graphs_nodes():
     computing = {n.name for n in traced.graph.nodes if n.op == "call_function"}
     assert schedule and set(schedule) <= computing | {n.name for n in traced.graph.nodes}
     assert any(name.startswith("mm") for name in schedule), schedule  # the matmul is its own (extern) kernel
+
+
+def test_report_warns_when_inductor_peaks_above_a_budget_the_fx_order_fit(monkeypatch):
+    """memory_budget chooses before Inductor compiles (FX order); the report replays Inductor's kernels after, and
+    says when that peak is over the budget."""
+    from burstc.memory import MemoryEstimate, MemoryPlan
+    from burstc.report import Report
+
+    report = Report(burstc.BurstConfig(), world_size=2)
+    report.new_graph().graphs["backward"] = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    report.memory_plans = [MemoryPlan(0, 100 * 2**20, "selective", {"selective": 90 * 2**20}, fits=True)]
+    estimate = MemoryEstimate(step_peak=120 * 2**20, backend="inductor", scheduled=True)
+    monkeypatch.setattr(Report, "memory", property(lambda self: estimate))
+    line = report.budget_check_line()
+    assert line.startswith("warning: memory_budget 100.0 MiB per rank") and "120.0 MiB (1.20x the budget" in line
+    assert line in str(report)
+    estimate.step_peak = 95 * 2**20  # within the budget: nothing to say
+    assert report.budget_check_line() is None
+    estimate.step_peak, estimate.scheduled = 120 * 2**20, False  # FX order (cache hit): the plan's own prediction
+    assert report.budget_check_line() is None
