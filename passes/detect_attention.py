@@ -472,11 +472,6 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
     if float_fill:  # masked_fill's value, or the one value an additive mask hides with
         fill = found["fill"] if style == "filled" else hidden_fill(gm, mask_node, reader, spec)
     if found["sink"] is not None:
-        if spec.term(KeyPadding) is not None:
-            refusal = Refusal(CODES.sink_hidden_rows, "attention sinks under key padding")
-            context.facts.attention[node] = _manual_match(node, found, None, refusal)
-            context.skip(KIND, node, f"manual attention with {refusal.reason}", code=refusal.code)
-            return None
         context.facts.attention[node] = dataclasses.replace(_manual_match(node, found, spec, None),
                                                             sink=found["sink"], notes=("attention sinks",))
         return None

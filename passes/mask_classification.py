@@ -39,8 +39,6 @@ CODES = register_codes("attention", {
     "mask_bias": "an additive mask with values other than 0 / -inf / <= finfo.min/2 that is not ALiBi: "
                  "a bias, not a mask",
     "mask_dense": "a dense mask that is not exactly full, causal, a sliding window or a band",
-    "sink_hidden_rows": "attention sinks with key padding: a row whose every key is hidden puts its weight on the "
-                        "sink (output 0), which burstc's hidden-row modes do not compute",
     "mask_dtype": "an additive mask whose dtype differs from the scores': SDPA can't take it as attn_mask",
     "mask_too_long": "the mask is too large to evaluate at the traced length and can't be evaluated at a "
                      "shorter one (its sizes or thresholds are not plain functions of the sequence length)",

@@ -101,18 +101,22 @@ def test_load_balancing_loss(workers, world_size, inputs, loss, sharded):
         assert results[0]["shard_details"]["sums_masking_pads"] == (2 * layers if world_size == 3 else None)
 
 
-def test_attention_sinks_are_sharded_with_windows_and_refused_under_padding(workers):
+def test_attention_sinks_are_sharded_with_windows_and_under_padding(workers):
     # gpt-oss: softmax(cat([scores, sink], -1))[..., :-1] @ v is the keys' softmax times sigmoid(lse - sink): the ring
     # op's output and lse, then that factor (the sinks get their gradient through it)
     results = assert_equivalent(zoo.hf_gpt_oss_windowed, zoo.hf_arch_inputs, zoo.hf_loss_no_cache, world_size=2,
                                 group=workers.get(2), backend="aot_eager", timeout=300)
     assert sorted(m.split(" ")[0] for m in results[0]["attention_masks"]) == ["causal", "causal&window(5,-)"]
     assert "attention sinks" in results[0]["report"]
-    # a fully hidden row (left padding) would put its weight on the sink, not average the keys: refused, exact
-    results = assert_equivalent(zoo.hf_gpt_oss_windowed, zoo.hf_arch_batch_inputs, zoo.hf_loss_with_padding,
-                                world_size=2, group=workers.get(2), backend="aot_eager", expect_sharded=False,
-                                timeout=300)
-    assert "attention.sink_hidden_rows" in results[0]["skip_codes"]
+    # under key padding: right padding hides no whole row; left padding does, and eager's row then puts all its
+    # weight on the sink (output 0), which is the ring's 0 output for a row with no visible key times the factor
+    # sigmoid(-inf - sink) = 0: sharded and exact, on both plans and a balanced layout
+    for loss_fn, options in ((zoo.hf_loss_with_padding, {}),
+                             (zoo.hf_loss_with_left_padding, {"layout": "zigzag", "attention_plan": "burst"}),
+                             (zoo.hf_loss_with_left_padding, {"layout": "striped", "attention_plan": "kv_ring"})):
+        results = assert_equivalent(zoo.hf_gpt_oss_windowed, zoo.hf_arch_batch_inputs, loss_fn, world_size=2,
+                                    group=workers.get(2), backend="aot_eager", timeout=300, **options)
+        assert "attention sinks" in results[0]["report"] and "sharded over 2 ranks" in results[0]["report"]
 
 
 @pytest.mark.parametrize("config_name", ["Qwen2Config", "GPT2Config", "Gemma3TextConfig", "GPTNeoXConfig"])

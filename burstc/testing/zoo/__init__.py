@@ -50,6 +50,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_inputs_single_sequence,
     hf_loss_with_attention_mask,
     hf_loss_with_padding,
+    hf_loss_with_left_padding,
     hf_loss_packed,
     hf_loss_num_items,
     hf_loss_left_padded,

@@ -141,6 +141,13 @@ def hf_loss_with_padding(model, ids):
     return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
 
 
+def hf_loss_with_left_padding(model, ids):
+    """A left-padded batch: the second sequence's first 12 tokens are padding (their query rows see no key)."""
+    mask = torch.ones_like(ids)
+    mask[-1, :12] = 0
+    return model(input_ids=ids, labels=ids, attention_mask=mask, use_cache=False).loss
+
+
 def packed_position_ids(batch: int, seq: int, lengths=(5, 1, 10)) -> torch.Tensor:
     """Packed documents as HF's ``DataCollatorWithFlattening`` passes them: each document's positions restart
     at 0 (documents of ``lengths``, the last one filling the row; each row shifted so boundaries differ)."""
