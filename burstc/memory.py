@@ -287,16 +287,19 @@ def _scheduled_keys(gm: fx.GraphModule, schedule: dict[str, int]) -> dict[fx.Nod
     return key
 
 
+def _order_by(gm: fx.GraphModule, key: dict[fx.Node, int]) -> list[fx.Node]:
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    return sorted(nodes, key=lambda n: (key[n], position[n]))
+
+
 def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list[fx.Node]:
     """``gm``'s nodes in ``schedule``'s order (:func:`inductor_schedule`); a node the schedule does not name runs
     right after its inputs.  Ties keep the graph's order, so the result stays topological.  ``None`` or empty:
     the graph's order."""
-    nodes = list(gm.graph.nodes)
     if not schedule:
-        return nodes
-    key = _scheduled_keys(gm, schedule)
-    position = {node: i for i, node in enumerate(nodes)}
-    return sorted(nodes, key=lambda n: (key[n], position[n]))
+        return list(gm.graph.nodes)
+    return _order_by(gm, _scheduled_keys(gm, schedule))
 
 
 def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[str, list] | None = None,
@@ -311,7 +314,8 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
     (:func:`scheduled_order`), else the graph's."""
     inputs = inputs or {}
     keys: dict[fx.Node, list] = {}
-    order = scheduled_order(gm, schedule)
+    step_keys = _scheduled_keys(gm, schedule) if schedule else None
+    order = _order_by(gm, step_keys) if step_keys is not None else list(gm.graph.nodes)
     kernels = schedule if isinstance(schedule, KernelSchedule) and schedule.materialized else None
 
     def fused_away(node, outs) -> bool:
@@ -362,7 +366,6 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
     if kernels is not None:
         # a buffer lives until the last kernel that reads it, which can be later than its last FX user: a fused
         # kernel recomputes the pointwise ops it absorbed from their inputs
-        step_keys = _scheduled_keys(gm, schedule)
         steps = [step_keys[node] for node in order]
         for node in order:
             last_kernel = kernels.last_reads.get(node.name)
@@ -621,8 +624,7 @@ class MemoryEstimate:
                 + f") + step {_fmt_bytes(self.step_peak)} at {self.peak_phase} `{self.peak_node}` (saved activations "
                 f"{_fmt_bytes(self.saved_activations)}, gradients {_fmt_bytes(self.gradients)}, op buffers "
                 f"{_fmt_bytes(self.op_buffers)}, temporaries {_fmt_bytes(self.temporaries)})"
-                + (("; replayed in Inductor's kernel order (its fusion, not modelled, can keep a few more buffers "
-                    "alive)" if self.scheduled else "; replayed in the FX graphs' order (Inductor's cache served "
+                + (("; replayed in Inductor's kernel order and buffers" if self.scheduled else "; replayed in the FX graphs' order (Inductor's cache served "
                     "them: no schedule seen), which can hold less than Inductor's") if self.backend == "inductor"
                    else ""))
 

@@ -160,21 +160,11 @@ class _GradAllReduce(torch.autograd.Function):
         return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
 
 
-class _SumAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, partial: Tensor, group_name: str) -> Tensor:
-        ctx.group_name = group_name
-        return funcol.wait_tensor(funcol.all_reduce(partial, "sum", group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
-
-
 def sum_all_reduce(partial: Tensor, group_name: str) -> Tensor:
     """Sum of the ranks' partial sums, used by sharded values: each rank's gradient is its tokens' part of the
-    whole gradient, so the backward sums the parts over the ranks too (the all-reduce is its own adjoint)."""
-    return _SumAllReduce.apply(partial, group_name)
+    whole gradient, so the backward sums the parts over the ranks too (the all-reduce is its own adjoint): the
+    loss all-reduce's forward over the gradient all-reduce's backward."""
+    return loss_all_reduce(grad_all_reduce(partial, group_name), group_name)
 
 
 def loss_all_reduce(partial: Tensor, group_name: str) -> Tensor:

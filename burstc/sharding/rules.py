@@ -556,11 +556,12 @@ def reduction(analyzer, node):
     d = analyzer.place(x).dim
     if dims is not None:
         dims = [norm_dim(i, val(x).dim()) for i in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    if (dims is None or d in dims) and op_name(node).lstrip(".") == "sum":
+    over_sequence, name = dims is None or d in dims, op_name(node).lstrip(".")
+    if over_sequence and name == "sum":
         return sum_over_ranks(analyzer, node, "a sum over the sequence")
-    if (dims is None or d in dims) and op_name(node).lstrip(".") == "mean" and not isinstance(val(x).numel(), int):
-        raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` over a symbolic-length sequence", node)
-    if (dims is None or d in dims) and op_name(node).lstrip(".") == "mean":
+    if over_sequence and name == "mean":
+        if not isinstance(val(x).numel(), int):
+            raise Refused(CODES.reduces_sequence, f"`{op_name(node)}` over a symbolic-length sequence", node)
         # a mean over every token = the sum over the ranks / the whole count (the shapes here are unsharded)
         shape = val(x).shape
         analyzer.plan.means_over_ranks[node] = math.prod(shape) if dims is None else math.prod(shape[i] for i in dims)

@@ -352,9 +352,12 @@ class GeneratedLM(nn.Module):
             h = block(h, rope, doc_ids, key_valid)
         aux = None
         if spec.sequence_term in ("sum_tokens", "mean_tokens", "max_tokens", "both"):
-            pooled = {"sum_tokens": lambda: 0.05 * h.sum(dim=1, keepdim=True),
-                      "max_tokens": lambda: h.amax(dim=1, keepdim=True)}.get(
-                spec.sequence_term, lambda: h.mean(dim=1, keepdim=True))()
+            if spec.sequence_term == "sum_tokens":
+                pooled = 0.05 * h.sum(dim=1, keepdim=True)
+            elif spec.sequence_term == "max_tokens":
+                pooled = h.amax(dim=1, keepdim=True)
+            else:
+                pooled = h.mean(dim=1, keepdim=True)
             h = h + pooled
             if spec.sequence_term == "both":
                 aux = pooled.pow(2).sum()
