@@ -226,6 +226,7 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
     """Training steps (forward, backward, AdamW) of a torchtitan-style Llama compiled with each ``ring``: the
     best step time of ``config.iters`` after a compiling one, the loss, and the ring each attention ran."""
     import burstc
+    from burstc.ops.ring_attention import record_stats
     from burstc.testing.zoo.titan import TitanLlama, TitanLlamaArgs, WithLoss
 
     rows = {}
@@ -242,16 +243,21 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
         times, loss = [], None
         for step in range(config.iters + 1):
             dist.barrier()
-            started = time.perf_counter()
-            loss = cmodel(ids[:, :-1], ids[:, 1:])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            dist.barrier()
+            with record_stats() as stats:
+                started = time.perf_counter()
+                loss = cmodel(ids[:, :-1], ids[:, 1:])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                dist.barrier()
             if step:  # the first step compiles
                 times.append(time.perf_counter() - started)
         report = burstc.report(cmodel)
-        rows[ring] = {"wall_s": min(times), "loss": float(loss),
+        sent = {}
+        for call in stats.calls:  # the last step's ring calls: bytes this rank sent per link class
+            for link, nbytes in call.bytes_sent_by_link.items():
+                sent[link] = sent.get(link, 0) + nbytes
+        rows[ring] = {"wall_s": min(times), "loss": float(loss), "sent": sent,
                       "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
     return rows
 
@@ -261,13 +267,22 @@ def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, ra
             f"Hkv={config.heads_kv}, mesh {config.nodes}x{config.per_node}, S={config.seq_len} {config.dtype} | links: "
             + (f"intra {rates[0]} MB/s, inter {rates[1]} MB/s" if rates else "not limited")
             + f" | load average {os.getloadavg()[0]:.1f}")
-    lines = [head, "| ring= | ran | step s (best, slowest rank) | loss | vs double |", "|---|---|---|---|---|"]
+    lines = [head, "| ring= | ran | step s (best, slowest rank) | loss | vs double | MiB sent/rank (busiest) by link "
+                   "| comm-only bound s |", "|---|---|---|---|---|---|---|"]
     rows = {ring: {"wall_s": max(r[ring]["wall_s"] for r in per_rank), "loss": per_rank[0][ring]["loss"],
-                   "rings": per_rank[0][ring]["rings"]} for ring in per_rank[0]}
+                   "rings": per_rank[0][ring]["rings"],
+                   "sent": {link: max(r[ring]["sent"].get(link, 0) for r in per_rank)
+                            for link in sorted({link for r in per_rank for link in r[ring]["sent"]})}}
+            for ring in per_rank[0]}
     base = rows.get("double", next(iter(rows.values())))["wall_s"]
     for ring, row in rows.items():
+        sent = ", ".join(f"{link} {nbytes / 2**20:.1f}" for link, nbytes in row["sent"].items()) or "-"
+        bound = "-"
+        if rates and "ring" not in row["sent"]:  # each link class at its rate, in parallel (a flat ring's "ring"
+            rate_of = {"intra": rates[0], "inter": rates[1]}  # bytes mix both classes: no bound given)
+            bound = f"{max((n / (rate_of[link] * 1e6) for link, n in row['sent'].items()), default=0.0):.2f}"
         lines.append(f"| {ring} | {', '.join(map(str, row['rings']))} | {row['wall_s']:.2f} | {row['loss']:.6f} "
-                     f"| {row['wall_s'] / base:.2f}x |")
+                     f"| {row['wall_s'] / base:.2f}x | {sent} | {bound} |")
     return "\n".join(lines)
 
 
@@ -288,6 +303,8 @@ def main(argv=None) -> int:
                         help="a training step of a torchtitan-style Llama per ring= instead of the op alone")
     parser.add_argument("--dim", type=int, default=512, help="--model: hidden size")
     parser.add_argument("--layers", type=int, default=4, help="--model: decoder layers")
+    parser.add_argument("--rings", nargs="+", choices=MODEL_RINGS, default=list(MODEL_RINGS),
+                        help="--model: the ring= values to time")
     args = parser.parse_args(argv)
     nodes, per_node = (int(x) for x in args.mesh.lower().split("x"))
     rates = (args.intra_mbps, args.inter_mbps) if args.intra_mbps and args.inter_mbps else None
@@ -300,7 +317,7 @@ def main(argv=None) -> int:
                     for dtype in args.dtypes:
                         config = Config(nodes, per_node, seq_len, heads_q, heads_kv, args.dim // heads_q, dtype,
                                         args.iters, ())
-                        per_rank = workers.run(_model_task, config, args.dim, args.layers, MODEL_RINGS)
+                        per_rank = workers.run(_model_task, config, args.dim, args.layers, tuple(args.rings))
                         print(_model_table(config, per_rank, args.dim, args.layers, rates), "\n", flush=True)
                         all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates,
                                          "results": per_rank})

@@ -12,7 +12,9 @@ Overlap is modelled as the ops run it:
   ``sum_j max(sum_i max(compute_ji, intra_ji), inter_j)``;
 * the hybrid (:mod:`burstc.ops.ulysses`): its all-to-alls inside the node (not hidden), then the flat ring
   across the nodes on node shards of H/G heads;
-* the backward's extra hops (gradients going home after the last step) are not hidden.
+* the backward's extra hops (gradients going home after the last step) are not hidden;
+* a call split into head groups (:mod:`burstc.ops.head_groups`): what one group's schedule exposes beyond
+  ``max(compute, busiest link)`` falls by the group count.
 
 A rank's time is its own sum; the call's is the slowest rank's.  The model knows nothing of kernel
 efficiency at small blocks, of CPU contention between ranks, or of the merge's cost; the benchmark
@@ -26,6 +28,7 @@ import functools
 import torch
 
 from burstc.block_geometry import GridPosition, blocks
+from burstc.ops.head_groups import head_group_count
 
 FLOPS_PER_ENTRY_PER_DIM = {"forward": 4, "backward": 10}
 
@@ -145,6 +148,9 @@ def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, 
         transfers = predicted_double_ring_transfers(*args, nodes, per_node, *shape)
     else:
         transfers = predicted_transfers(*args, size, *shape, per_node=per_node)
+    element = torch.empty((), dtype=dtype).element_size()
+    groups = head_group_count(heads_kv, 2 * batch * heads_kv * local_len * head_dim * element, size,
+                              bool(mask.score_mods))
     worst = {"forward": 0.0, "backward": 0.0, "compute": 0.0}
     for rank in range(size):
         position = GridPosition(nodes, per_node, rank)
@@ -160,7 +166,8 @@ def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, 
             compute_total += sum(compute)
             links = transfers[key].sent_by_link_per_step[rank] if size > 1 else ()
             seconds = _double_ring_seconds if ring == "double" else _flat_ring_seconds
-            worst[op] = max(worst[op], seconds(compute, links, machine, per_node))
+            worst[op] = max(worst[op], _pipelined(seconds(compute, links, machine, per_node), compute, links,
+                                                  machine, groups))
         worst["compute"] = max(worst["compute"], compute_total)
     return RingCost(**worst)
 
@@ -187,6 +194,18 @@ def _slowest(links: dict[str, int], machine: Machine, classes=None) -> float:
 def _flat_ring_seconds(compute: list[float], links, machine: Machine, per_node: int) -> float:
     total = sum(max(c, _slowest(links[s], machine) if s < len(links) else 0.0) for s, c in enumerate(compute))
     return total + sum(_slowest(step, machine) for step in links[len(compute):])  # the backward's last hop
+
+
+def _pipelined(one_group: float, compute: list[float], links, machine: Machine, groups: int) -> float:
+    """A call run as ``groups`` head groups (:mod:`burstc.ops.head_groups`): what one group's schedule leaves
+    exposed beyond ``max(compute, the busiest link's time)`` falls by the group count (each group's first transfer
+    travels behind the one before it, its last hop behind the one after)."""
+    if groups == 1:
+        return one_group
+    busiest = max((machine.seconds(link, sum(step.get(link, 0) for step in links))
+                   for link in {link for step in links for link in step}), default=0.0)
+    floor = max(sum(compute), busiest)
+    return floor + max(0.0, one_group - floor) / groups
 
 
 def _double_ring_seconds(compute: list[float], links, machine: Machine, per_node: int) -> float:

@@ -438,6 +438,13 @@ def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int
     return best
 
 
+def _head_groups(k, world_size: int, spec) -> int:
+    """How many head groups the ring call on these shapes runs as (:func:`burstc.ops.head_groups.head_group_count`)."""
+    from burstc.ops.head_groups import head_group_count
+
+    return head_group_count(k.shape[1], 2 * k.numel() * k.element_size(), world_size, bool(spec.score_mods))
+
+
 def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> int:
     """Bytes :func:`burstc.ops.ring_loops.ring_forward` holds beyond its outputs, on its busiest rank: copies of
     non-contiguous K/V, the two arriving K/V sets, the fp32 output accumulator (when the output is not fp32),
@@ -447,9 +454,13 @@ def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> in
     spec = MaskSpec.decode(mask)
     batch, heads_q, local_len, head_dim = q.shape
     heads_kv, elem = k.shape[1], q.element_size()
+    groups = _head_groups(k, world_size, spec)
+    # a head group's buffers: two groups' are alive at once (burstc.ops.head_groups), each 1/groups of them
+    heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups
     kv_row = 2 * batch * heads_kv * head_dim * elem
-    home = 0 if k.is_contiguous() and v.is_contiguous() else local_len * kv_row
-    accumulator = batch * heads_q * local_len * head_dim * ACC_BYTES if elem != ACC_BYTES else 0
+    sliced_copy = groups > 1 and batch > 1  # a group's heads of a [B, H, S, D] tensor are contiguous when B = 1
+    home = 0 if k.is_contiguous() and v.is_contiguous() and not sliced_copy else local_len * kv_row
+    accumulator = batch * heads_q * local_len * head_dim * ACC_BYTES if elem != ACC_BYTES or groups > 1 else 0
     worst = 0
     for rank in range(world_size):
         q_rows, kv_rows = _largest_block_rows(layout, spec, local_len, world_size, rank, False)
@@ -474,17 +485,24 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
     heads_kv, elem = k.shape[1], q.element_size()
     queries_travel = resolve_plan(plan, q, k, world_size, layout, spec) == "burst"
     q_bytes = batch * heads_q * local_len * head_dim * elem
-    kv_bytes = batch * heads_kv * local_len * head_dim * elem
     rows_bhs = batch * heads_q * local_len * ACC_BYTES
-    total = 0 if elem == ACC_BYTES else (q_bytes + 2 * kv_bytes) * ACC_BYTES // elem
-    total += 0 if grad_out.is_contiguous() else q_bytes
-    if queries_travel:  # delta = rowsum(out * dO) travels, its product is a transient
+    total = 0 if grad_out.is_contiguous() else q_bytes
+    if queries_travel:  # delta = rowsum(out * dO) travels (whole heads, before the groups), its product a transient
         total += rows_bhs + q_bytes * ACC_BYTES // elem
-        total += 0 if q.is_contiguous() else q_bytes
+    groups = _head_groups(k, world_size, spec)
+    # the loops run per head group (burstc.ops.head_groups): two groups' buffers alive at once, each 1/groups of
+    # the heads; a group's fp32 gradients are its own (copied into the whole outputs as it finishes)
+    heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups
+    q_bytes = batch * heads_q * local_len * head_dim * elem
+    kv_bytes = batch * heads_kv * local_len * head_dim * elem
+    total += 0 if elem == ACC_BYTES and groups == 1 else (q_bytes + 2 * kv_bytes) * ACC_BYTES // elem
+    sliced_copy = groups > 1 and batch > 1  # a group's heads of a [B, H, S, D] tensor are contiguous when B = 1
+    if queries_travel:
+        total += 0 if q.is_contiguous() and not sliced_copy else q_bytes
         row = batch * heads_q * (2 * head_dim * elem + 2 * ACC_BYTES)
         grad_row = batch * heads_q * head_dim * ACC_BYTES
     else:
-        total += 0 if k.is_contiguous() and v.is_contiguous() else 2 * kv_bytes
+        total += 0 if k.is_contiguous() and v.is_contiguous() and not sliced_copy else 2 * kv_bytes
         row = 2 * batch * heads_kv * head_dim * elem
         grad_row = 2 * batch * heads_kv * head_dim * ACC_BYTES
     worst = 0

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from burstc.attention_ir import MaskSpec
 from burstc.block_geometry import DoubleRingRoutes
+from burstc.ops.head_groups import GroupLoop
 from burstc.ops.ring_comm import TwoLevelRing, wait
 from burstc.ops.ring_loops import (_DQ, _DK, _DV, NO_TRANSFER, BackwardPlan, MaskData, _Accumulator, _add_returned_,
                                    _Arrivals, _rows_between, attend_backward, attend_forward, backward_sides,
@@ -35,21 +36,28 @@ from burstc.ops.ring_loops import (_DQ, _DK, _DV, NO_TRANSFER, BackwardPlan, Mas
 from burstc.ops.ring_stats import CallRecorder
 
 
-def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: TwoLevelRing, layout: str,
-                        mask: MaskSpec, scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
-    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the double ring."""
+def double_ring_forward_loop(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: TwoLevelRing, layout: str,
+                             mask: MaskSpec, scale: float, data: MaskData, recorder: CallRecorder) -> GroupLoop:
+    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the double ring, in the three parts
+    of :data:`burstc.ops.head_groups.GroupLoop` (the first: posting the first lane's transfer)."""
     local_len = q_BHSD.shape[2]
     nodes, per_node = ring.nodes, ring.per_node
-    recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
     home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
     routes = DoubleRingRoutes(ring, _rows_between(False, layout, mask, local_len, ring, data, any_pair=True))
     lanes, arrivals = _Arrivals(home), _Arrivals(home)
     lane, acc = home, _Accumulator(q_BHSD, mask, data)
-    for j in range(nodes):
+
+    def post_lane(j: int):
+        """Post lane ``j + 1``'s transfer (during outer step ``j``): ``(requests, runs, arriving)``."""
         nxt = j + 1
         sends, recvs, lane_runs, lane_arriving = (
             input_transfer(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home, lanes, nxt) if nxt < nodes else NO_TRANSFER)
-        lane_requests = ring.inter.post_between(sends, recvs, recorder, j * per_node)
+        return ring.inter.post_between(sends, recvs, recorder, j * per_node), lane_runs, lane_arriving
+
+    next_lane = post_lane(0)
+    yield
+    for j in range(nodes):
+        lane_requests, lane_runs, lane_arriving = next_lane if j == 0 else post_lane(j)
         visiting = lane
         for i in range(per_node):
             step = j * per_node + i
@@ -62,14 +70,16 @@ def double_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Tw
             wait(requests)
             visiting = arrivals.unpack(step + 1, runs, arriving) if arriving is not None else None
         wait(lane_requests)
-        lane = lanes.unpack(nxt, lane_runs, lane_arriving) if lane_arriving is not None else None
-    recorder.publish()
+        lane = lanes.unpack(j + 1, lane_runs, lane_arriving) if lane_arriving is not None else None
+    yield
     return acc.result(q_BHSD.dtype)
 
 
 def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: TwoLevelRing,
-                              layout: str, mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData):
-    """:func:`burstc.ops.ring_loops._backward_loop` on the double ring: ``(dq, dk, dv)`` in the inputs' dtypes."""
+                              layout: str, mask: MaskSpec, scale: float, recorder: CallRecorder,
+                              data: MaskData) -> GroupLoop:
+    """:func:`burstc.ops.ring_loops._backward_loop` on the double ring (three parts, the first posting the first
+    lane's transfer): ``(dq, dk, dv)`` in the inputs' dtypes."""
     nodes, per_node, size = ring.nodes, ring.per_node, ring.size
     local_len = q.shape[2]
     grads, home_travelling, home = backward_sides(plan, grad_out, q, k, v, lse, delta)
@@ -92,12 +102,20 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
         return return_transfer(-lane_of, routes.lane_in(lane_of), lane_grads.pop(lane_of), routes.lane_out(lane_of),
                         own_grads)
 
-    for j in range(nodes):
+    def post_lane(j: int):
+        """Post lane ``j + 1``'s transfer (during outer step ``j``): ``(requests, runs, arriving)``."""
         nxt = j + 1
         lane_sends, lane_recvs, lane_runs, lane_arriving = (
             input_transfer(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home_travelling, lanes, nxt)
             if nxt < nodes else NO_TRANSFER)
-        inter_requests = [ring.inter.post_between(lane_sends, lane_recvs, recorder, j * per_node)]
+        return ring.inter.post_between(lane_sends, lane_recvs, recorder, j * per_node), lane_runs, lane_arriving
+
+    next_lane = post_lane(0)
+    yield
+    for j in range(nodes):
+        nxt = j + 1
+        lane_requests, lane_runs, lane_arriving = next_lane if j == 0 else post_lane(j)
+        inter_requests = [lane_requests]
         inter_returned = ((), None)
         travelling = lane
         for i in range(per_node):
@@ -134,8 +152,9 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
     back_sends, back_recvs, returned = intra_return(previous)
     wait(ring.intra.post_between(back_sends, back_recvs, recorder, size))
     _add_returned_(returned, lane_grads[previous[0]])
-    if nodes > 1:
-        back_sends, back_recvs, returned = inter_return(nodes - 1)
-        wait(ring.inter.post_between(back_sends, back_recvs, recorder, size + 1))
-        _add_returned_(returned, own_grads)
+    back_sends, back_recvs, returned = inter_return(nodes - 1)  # a double ring has at least 2 nodes
+    last_hop = ring.inter.post_between(back_sends, back_recvs, recorder, size + 1)
+    yield
+    wait(last_hop)
+    _add_returned_(returned, own_grads)
     return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)

@@ -54,6 +54,7 @@ from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, 
                                    pairs_hidden_by_data, runs_length, travelling_rows, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
+from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
 from burstc.ops.ring_stats import CallRecorder
@@ -350,30 +351,51 @@ def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, sc
 
 def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
                  scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
-    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring."""
-    if isinstance(ring, TwoLevelRing):
-        from burstc.ops.double_ring import double_ring_forward
-
-        return double_ring_forward(q_BHSD, k_BHSD, v_BHSD, ring, layout, mask, scale, data)
+    """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring, run as a pipeline of
+    head groups (:mod:`burstc.ops.head_groups`)."""
     if isinstance(ring, UlyssesRing):
         from burstc.ops.ulysses import ulysses_ring_forward
 
         return ulysses_ring_forward(q_BHSD, k_BHSD, v_BHSD, ring, layout, mask, scale, data)
+    loop = _forward_loop
+    if isinstance(ring, TwoLevelRing):
+        from burstc.ops.double_ring import double_ring_forward_loop as loop
+    recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    slices = call_head_slices(q_BHSD, k_BHSD, ring.size, bool(mask.score_mods))
+    outputs = None
+    if len(slices) > 1:
+        batch, heads_q, local_len, head_dim = q_BHSD.shape
+        rows = local_len if data.query_rows is None else data.query_rows
+        outputs = (q_BHSD.new_empty(batch, heads_q, rows, head_dim),
+                   torch.empty(batch, heads_q, rows, dtype=ACC_DTYPE, device=q_BHSD.device))
+    result = run_pipelined([loop(q_BHSD[:, q_heads], k_BHSD[:, kv_heads], v_BHSD[:, kv_heads], ring, layout, mask,
+                                 scale, data, recorder) for q_heads, kv_heads in slices],
+                           outputs, [(q_heads, q_heads) for q_heads, _ in slices])
+    recorder.publish()
+    return result
+
+
+def _forward_loop(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
+                  scale: float, data: MaskData, recorder: CallRecorder) -> GroupLoop:
+    """The forward over a flat ring, in the three parts of :data:`burstc.ops.head_groups.GroupLoop`."""
     local_len = q_BHSD.shape[2]
     size, rank = ring.size, ring.rank
-    recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
     kv_home = [k_BHSD.contiguous(), v_BHSD.contiguous()]
     rows_between = _rows_between(False, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(kv_home)
-    kv_cur = kv_home
     acc = _Accumulator(q_BHSD, mask, data)
+    sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, 1, arrivals)
+    requests = ring.post_between(sends, recvs, recorder, 0)
+    yield
+    kv_cur = kv_home
     for step in range(size):
-        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
-        requests = ring.post_between(sends, recvs, recorder, step)
+        if step > 0:
+            sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, kv_home, step + 1, arrivals)
+            requests = ring.post_between(sends, recvs, recorder, step)
         attend_forward(q_BHSD, kv_cur, (rank - step) % size, acc, ring, layout, mask, scale, data, recorder, step)
         wait(requests)
         kv_cur = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
-    recorder.publish()
+    yield
     return acc.result(q_BHSD.dtype)
 
 
@@ -399,11 +421,23 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
     else:  # the kernels read delta from the resident ``out``, unless an lse gradient adjusts it
         delta_BHS = attention_delta(out_BHSD, grad_out_BHSD) - grad_lse_BHS.to(ACC_DTYPE) if lse_has_grad else None
     # ``out`` is only right for the kernel where delta is not adjusted; else a stand-in carries delta.
+    out_BHSD = None if lse_has_grad else out_BHSD
     loop = _backward_loop
     if isinstance(ring, TwoLevelRing):
         from burstc.ops.double_ring import double_ring_backward_loop as loop
-    grads = loop(BACKWARD_PLANS[plan], grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, None if lse_has_grad else out_BHSD,
-                 lse_BHS, delta_BHS, ring, layout, mask, scale, recorder, data)
+    slices = call_head_slices(q_BHSD, k_BHSD, ring.size, bool(mask.score_mods))
+    outputs = None
+    if len(slices) > 1:
+        outputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_BHSD, k_BHSD, v_BHSD))
+
+    def heads(t: Tensor | None, selected: slice) -> Tensor | None:
+        return None if t is None else t[:, selected]
+
+    grads = run_pipelined(
+        [loop(BACKWARD_PLANS[plan], grad_out_BHSD[:, q_heads], q_BHSD[:, q_heads], k_BHSD[:, kv_heads],
+              v_BHSD[:, kv_heads], heads(out_BHSD, q_heads), lse_BHS[:, q_heads], heads(delta_BHS, q_heads), ring,
+              layout, mask, scale, recorder, data) for q_heads, kv_heads in slices],
+        outputs, [(q_heads, kv_heads, kv_heads) for q_heads, kv_heads in slices])
     recorder.publish()
     return tuple(g.contiguous() for g in grads)
 
@@ -465,8 +499,9 @@ def backward_sides(plan: BackwardPlan, grad_out, q, k, v, lse, delta):
 
 
 def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: Ring, layout: str,
-                   mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData):
-    """The one backward loop.  At step i the travelling side held here belongs to rank (rank - i).
+                   mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData) -> GroupLoop:
+    """The one backward loop, in the three parts of :data:`burstc.ops.head_groups.GroupLoop`; returns
+    ``(dq, dk, dv)`` in the inputs' dtypes.  At step i the travelling side held here belongs to rank (rank - i).
 
     Gradients of the side at home accumulate at home as blocks are computed; those of the travelling
     side go into the visitor's partial gradients (this rank's own at step 0), whose travelled rows go
@@ -479,14 +514,19 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     rows_between = _rows_between(plan.queries_travel, layout, mask, local_len, ring, data)
     arrivals = _Arrivals(home_travelling)
     travelling, previous = home_travelling, None  # previous: (step, its visitor's partial gradients)
+    sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, 1, arrivals)
+    requests = ring.post_between(sends, recvs, recorder, 0)  # step 0 returns nothing
+    returned = ((), None)
+    yield
     for step in range(size):
         visitor = (rank - step) % size  # owner of the travelling side held now
         q_owner, kv_owner = (visitor, rank) if plan.queries_travel else (rank, visitor)
-        sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, step + 1,
-                                                                arrivals)
-        back_sends, back_recvs, returned = _return_transfers(ring, rows_between, step - 1, previous,
-                                                             own_travelling_grads)
-        requests = ring.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
+        if step > 0:
+            sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, step + 1,
+                                                                 arrivals)
+            back_sends, back_recvs, returned = _return_transfers(ring, rows_between, step - 1, previous,
+                                                                 own_travelling_grads)
+            requests = ring.post_between(sends + back_sends, recvs + back_recvs, recorder, step)
         partial = None
         if step == 0:
             partial = own_travelling_grads
@@ -498,11 +538,14 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
         _add_returned_(returned, own_travelling_grads)
         previous = partial if step > 0 else None
         travelling = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None
+    last_hop, returned = [], ((), None)
     if size > 1:  # the last visitor's gradients go home
         back_sends, back_recvs, returned = _return_transfers(ring, rows_between, size - 1, previous,
                                                              own_travelling_grads)
-        wait(ring.post_between(back_sends, back_recvs, recorder, size))
-        _add_returned_(returned, own_travelling_grads)
+        last_hop = ring.post_between(back_sends, back_recvs, recorder, size)
+    yield
+    wait(last_hop)
+    _add_returned_(returned, own_travelling_grads)
     return grads[_DQ].to(q.dtype), grads[_DK].to(k.dtype), grads[_DV].to(v.dtype)
 
 
