@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Test selections (pytest arguments), lean on purpose: the killing test is usually single-process or 2 ranks.
 PIECES = ["tests/test_ring_pieces.py"]
+HEAD_GROUPS = ["tests/test_head_groups.py"]
 MERGE_UNIT = ["tests/test_ring_attention.py", "-k", "merge or stand_in or reference_kernels or cpu_flash"]
 RING_P2 = ["tests/test_ring_attention.py", "-k", "causal_gqa and 2-"]
 RING_P4 = ["tests/test_ring_attention.py", "-k", "causal_gqa and 4-"]
@@ -345,6 +346,17 @@ MUTANTS = [
        "(x, tuple(shape[:d] + [length, where.outer, where.inner] + shape[d + 1:])))",
        "merged (batch, token) rows split token-major before they are sharded (a flat mask) or gathered (an output)",
        MERGED_OUTPUTS, LOAD_BALANCE),
+    # --- head groups (burstc/ops/head_groups.py) -------------------------------------------------------------
+    _m("head_groups_gqa_interleaved", "burstc/ops/head_groups.py",
+       "return [(slice(g * per_kv * ratio, (g + 1) * per_kv * ratio), slice(g * per_kv, (g + 1) * per_kv))",
+       "return [(slice(g, heads_q, groups), slice(g * per_kv, (g + 1) * per_kv))",
+       "a group's query heads taken as if head h read K/V head h % Hkv (repeat instead of repeat_interleave)",
+       HEAD_GROUPS),
+    _m("head_groups_split_score_mods", "burstc/ops/head_groups.py",
+       "if world_size < 2 or score_mods or heads_kv < 2:",
+       "if world_size < 2 or heads_kv < 2:",
+       "a mask with per-head score mods (ALiBi slopes) split into head groups, each reading the first slopes",
+       HEAD_GROUPS),
     # --- planner --------------------------------------------------------------------------------------------
     _m("planner_choice_inverted", "burstc/planner.py",
        "chosen = \"burst\" if per_call[\"burst\"] < per_call[\"kv_ring\"] else \"kv_ring\"",
