@@ -78,6 +78,7 @@ class AttentionExplained:
     bytes_by_link: dict
     predicted_seconds: dict
     seconds: float
+    head_groups: int = 1  # the head groups each call runs as (burstc.ops.head_groups)
 
 
 @dataclasses.dataclass
@@ -122,7 +123,8 @@ class Explanation:
                  f"on a {mesh} mesh {layout} = {self.world_size} ranks, {self.seq_len // self.world_size:,} tokens "
                  f"per rank", f"device {self.device.source}",
                  "", *[self.report.summary(g.graph_id) for g in self.report.graph_records], ""]
-        rows = [[_modules([g.module for g in group]), a.ring, a.plan, a.mask,
+        rows = [[_modules([g.module for g in group]), a.ring + (f" ({a.head_groups} head groups)" if a.head_groups > 1
+                                                                 else ""), a.plan, a.mask,
                  ", ".join(f"{kind} {' + '.join(f'{link} {_fmt_bytes(n)}' for link, n in links.items())}"
                            for kind, links in a.bytes_by_link.items()),
                  f"{a.seconds * 1e3:.1f} ms", a.reason]
@@ -287,7 +289,8 @@ def _attentions(report, mesh_shape, machine) -> list[AttentionExplained]:
         if seconds is None:
             seconds = call.flat_seconds(mesh_shape, machine) if call is not None else float("nan")
         found.append(AttentionExplained(r.module_path, ring, d["plan"], d.get("mask", ""), _reason(d, ring),
-                                        by_link, dict(d.get("predicted_seconds") or {}), seconds))
+                                        by_link, dict(d.get("predicted_seconds") or {}), seconds,
+                                        int(d.get("head_groups", 1))))
     return found
 
 

@@ -13,6 +13,7 @@ import burstc
 from burstc.attention_ir import Causal, MaskSpec
 from burstc.cli import peak_rss_bytes
 from burstc.cost_model import DEVICES, choose_ring, ulysses_bytes
+from burstc.ops import head_groups
 from burstc.ops.ring_stats import record_stats
 from burstc.ops.ulysses import hybrid_applies
 from burstc.planner import cheaper_backward, masked_plan, predicted_double_ring_transfers, predicted_transfers
@@ -81,6 +82,8 @@ def test_tiny_llama_8x8_at_1M(tmp_path):
     assert rss_growth < 512 * 2**20, rss_growth
     assert len(result.attentions) == 2
     _check_against_formulas(result, 1, 4, 2, 8, torch.float32)
+    # 16K tokens a rank x 2 K/V heads x 8 dims x fp32, K and V: a step's message is 2 MiB, two groups of 1 MiB
+    assert {a.head_groups for a in result.attentions} == {2}
     # the graphs as Python: every stage of the graph, the ring op in the rewritten one
     files = sorted(p.name for p in tmp_path.iterdir())
     assert any(f.endswith("_captured.py") for f in files) and any(f.endswith("_backward.py") for f in files)
@@ -101,6 +104,9 @@ def test_7b_width_8x8_at_1M_allocates_nothing():
     assert result.parameter_bytes > 2**30 and rss_growth < result.parameter_bytes / 4, rss_growth
     assert result.parameters == sum(p.numel() for p in torch.nn.Module.parameters(_meta(factory)))
     _check_against_formulas(result, 1, 32, 32, 128, torch.bfloat16)
+    # 16K tokens a rank: a step's K/V is 256 MiB, split into the most head groups
+    assert {a.head_groups for a in result.attentions} == {head_groups.MAX_HEAD_GROUPS}
+    assert f"({head_groups.MAX_HEAD_GROUPS} head groups)" in str(result)
     ring_seconds = sum(a.seconds for a in result.attentions)
     assert result.step_seconds["ring attention x2 (cost model)"] == pytest.approx(ring_seconds)
 
