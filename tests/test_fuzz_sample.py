@@ -146,6 +146,34 @@ def test_classify_flags_every_failure():
     crashed = _rank_result(exact)
     crashed["runs"][0]["error"] = "ValueError: boom"
     assert classify(case, [crashed]).kind == "crash"
+    crashed["runs"][0]["torch_error"] = None  # plain torch.compile ran: burstc's crash
+    assert classify(case, [crashed]).kind == "crash"
+    # plain torch.compile on one process fails too: torch's own failure, counted apart and not a finding
+    crashed["runs"][0]["torch_error"] = "RuntimeError: view size is not compatible"
+    outcome = classify(case, [crashed])
+    assert outcome.kind == "torch_crash" and not outcome.failed and "view size" in outcome.detail
+    # ... unless the other option set, which ran, disagrees with eager
+    wrong = _rank_result({"loss": 0.0, "grad:w": 2e-5})
+    wrong["runs"].insert(0, dict(crashed["runs"][0]))
+    assert classify(case, [wrong]).kind == "mismatch"
+
+
+def test_plain_compile_error_says_whether_torch_compile_runs_the_step():
+    from burstc.testing.fuzz import plain_compile_error
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11)
+
+        def forward(self, input_ids, labels, use_cache=False):
+            logits = self.head(self.embed(input_ids))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    ids = torch.randint(0, 11, (1, 6))
+    assert plain_compile_error(Tiny(), {"input_ids": ids, "labels": ids}, "aot_eager") is None
+    assert plain_compile_error(Tiny(), {"input_ids": ids, "labels": ids}, "no_such_backend").startswith(
+        "InvalidBackend")
 
 
 def test_classify_forgives_only_what_the_fp64_truth_shows_right():

@@ -25,7 +25,8 @@ generator runs from a seeded ``random.Random`` for the long run::
 
     python -m burstc.testing.fuzz --cases 300 --seed 1 [--ranks 2 4] [--out fuzz-out]
 
-prints the counts (tried, rewritten, refused by code, rejected, mismatches, crashes, hangs) and writes, for every
+prints the counts (tried, rewritten, refused by code, rejected, torch.compile's own failures, mismatches, crashes,
+hangs) and writes, for every
 failing case, a reduced standalone reproducer ``<out>/case-<seed>-<n>.py`` (each distinct failure reduced once).
 """
 from __future__ import annotations
@@ -395,6 +396,8 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
         except Exception as exc:  # noqa: BLE001 - a crash is a finding: report it, never hide it
             run["error"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
             run["traceback"] = traceback.format_exc()[-4000:]
+            run["torch_error"] = plain_compile_error(model, inputs, dict(options).get("backend", "inductor"),
+                                                     autocast)
             runs.append(run)
             continue
         run.update(errors=training_step_errors(loss, ref_loss, grads, ref_grads, floor), loss=float(loss),
@@ -430,10 +433,24 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
             "runs": runs, **truth_fields}
 
 
+def plain_compile_error(model, inputs, backend: str, autocast: bool = False) -> str | None:
+    """torch.compile's own failure on this model and input — one process, no mesh, no burstc — as
+    ``"Type: message"``, or None when that step runs: a burstc crash where this fails too is torch's."""
+    torch._dynamo.reset()
+    try:
+        _training_step(model, inputs, torch.compile(model, backend=backend), autocast=autocast)
+    except Exception as exc:  # noqa: BLE001 - the finding is whether plain torch.compile fails
+        return f"{type(exc).__name__}: {str(exc)[:500]}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 @dataclass
 class Outcome:
     kind: str            # "rewritten", "refused", "one_device", "rejected" (burstc's error for a length the
-                         # layout can't split exactly), "mismatch", "crash", "hang"
+                         # layout can't split exactly), "torch_crash" (plain torch.compile fails alike on one
+                         # process), "mismatch", "crash", "hang"
     codes: list          # the refusal codes of the first run (rank 0)
     detail: str = ""     # why it failed
     results: list | None = None
@@ -449,16 +466,22 @@ def classify(case: Case, results: list[dict]) -> Outcome:
     loss_rtol, grad_rtol = (tolerance(case.dtype, q).rtol for q in quantity)
     first = results[0]["runs"][0] if results[0]["runs"] else {}
     codes = first.get("skip_codes", [])
+    torch_crashes = []
     for result in results:
         for run in result["runs"]:
             if "error" in run and _is_length_rejection(run["error"]):
                 return Outcome("rejected", codes, f"rank {result['rank']}: {run['error'].splitlines()[-1]}", results)
-            if "error" in run:
+            if "error" in run and run.get("torch_error"):
+                torch_crashes.append(f"rank {result['rank']} {run['options']}: {run['error']}\nplain torch.compile "
+                                     f"on one process: {run['torch_error']}")
+            elif "error" in run:
                 return Outcome("crash", codes, f"rank {result['rank']} {run['options']}: {run['error']}\n"
                                                f"{run.get('traceback', '')}", results)
     failures, worst_ratio = [], 0.0
     for result in results:
         for run in result["runs"]:
+            if "error" in run:  # torch's own failure (above): nothing to compare
+                continue
             for label, errors in (("vs eager", run["errors"]), ("vs the first option set",
                                                                  run.get("errors_vs_first", {}))):
                 # the fp64 truth may show a gradient right: this run's, and (vs the first set) the first run's
@@ -479,6 +502,8 @@ def classify(case: Case, results: list[dict]) -> Outcome:
         # marginal: every error finite and under 10x its tolerance (rounding noise the table may not cover)
         severity = "marginal" if worst_ratio < 10 else "gross"
         return Outcome("mismatch", codes, f"{severity} mismatch\n" + "\n".join(failures[:6]), results)
+    if torch_crashes:
+        return Outcome("torch_crash", codes, "\n".join(torch_crashes[:4]), results)
     if case.world_size == 1:
         return Outcome("one_device", codes, results=results)
     return Outcome("rewritten" if "shard" in first.get("rewrites", []) else "refused", codes, results=results)
@@ -663,7 +688,7 @@ def main(argv=None) -> int:
             counts[outcome.kind] += 1
             if outcome.kind == "mismatch":
                 counts[outcome.detail.split(" ", 1)[0] + "_mismatch"] += 1
-            if outcome.kind == "one_device" and outcome.results[0]["runs"][0].get("bitwise_vs_eager"):
+            if outcome.kind == "one_device" and outcome.results[0]["runs"][0].get("bitwise_vs_eager", False):
                 counts["one_device_bitwise_eager"] += 1
             if outcome.results and any(r["ref_nonfinite"] for r in outcome.results):
                 counts["nonfinite_reference"] += 1  # NaN/inf in eager: compared all the same (patterns must match)
@@ -675,6 +700,8 @@ def main(argv=None) -> int:
                 line += f" -> {refusal_code(outcome)}"
             print(line, flush=True)
             entry = {"n": n, "kind": outcome.kind, "case": repr(case), "codes": outcome.codes}
+            if outcome.kind == "torch_crash":
+                entry["detail"] = outcome.detail[:2000]
             if outcome.failed:
                 print("    " + " / ".join(outcome.detail.splitlines()[:2])[:400], flush=True)
                 signature = failure_signature(outcome)
@@ -691,7 +718,8 @@ def main(argv=None) -> int:
             case_log.flush()
     elapsed = time.time() - start
     print(f"\ntried {counts['tried']}: rewritten {counts['rewritten']}, refused {counts['refused']}, "
-          f"one device {counts['one_device']}, rejected (length error) {counts['rejected']}, mismatches {counts['mismatch']}, crashes {counts['crash']}, "
+          f"one device {counts['one_device']}, rejected (length error) {counts['rejected']}, torch.compile's own "
+          f"failures {counts['torch_crash']}, mismatches {counts['mismatch']}, crashes {counts['crash']}, "
           f"hangs {counts['hang']}; mismatches marginal (< 10x tolerance) {counts['marginal_mismatch']}, gross "
           f"{counts['gross_mismatch']}; one-device cases bitwise equal to eager {counts['one_device_bitwise_eager']}; {counts['nonfinite_reference']} with NaN/inf in eager ({elapsed:.0f} s)")
     print("refused by code: " + ", ".join(f"{c} {k}" for c, k in refused.most_common()))
