@@ -88,10 +88,7 @@ def _run_burstc(kind: str):
         with record_stats() as stats:
             out = ring_attention(q_, k_, v_, group_or_mesh=_mesh(config), causal=True, layout="zigzag", ring=kind)
             out.backward(grad_out)
-        links = {}
-        for call in stats.calls:
-            for link, nbytes in call.bytes_sent_by_link.items():
-                links[link] = links.get(link, 0) + nbytes
+        links = stats.bytes_sent_by_link
         if "ring" in links:  # the flat ring counts one class: split it by each step's peer
             links = _flat_links(config, dist.get_rank(), stats)
         if kind == "ulysses":  # the counters see the ring across nodes; the all-to-alls stay inside the node
@@ -253,11 +250,8 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
             if step:  # the first step compiles
                 times.append(time.perf_counter() - started)
         report = burstc.report(cmodel)
-        sent = {}
-        for call in stats.calls:  # the last step's ring calls: bytes this rank sent per link class
-            for link, nbytes in call.bytes_sent_by_link.items():
-                sent[link] = sent.get(link, 0) + nbytes
-        rows[ring] = {"wall_s": min(times), "loss": float(loss), "sent": sent,
+        # the last step's ring calls: bytes this rank sent per link class
+        rows[ring] = {"wall_s": min(times), "loss": float(loss), "sent": stats.bytes_sent_by_link,
                       "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
     return rows
 

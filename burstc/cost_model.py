@@ -28,7 +28,7 @@ import functools
 import torch
 
 from burstc.block_geometry import GridPosition, blocks
-from burstc.ops.head_groups import head_group_count
+from burstc.ops.head_groups import shard_head_groups
 
 FLOPS_PER_ENTRY_PER_DIM = {"forward": 4, "backward": 10}
 
@@ -148,9 +148,7 @@ def predicted_ring_cost(ring: str, layout: str, mask, seq_len: int, nodes: int, 
         transfers = predicted_double_ring_transfers(*args, nodes, per_node, *shape)
     else:
         transfers = predicted_transfers(*args, size, *shape, per_node=per_node)
-    element = torch.empty((), dtype=dtype).element_size()
-    groups = head_group_count(heads_kv, 2 * batch * heads_kv * local_len * head_dim * element, size,
-                              bool(mask.score_mods))
+    groups = shard_head_groups(batch, heads_kv, local_len, head_dim, dtype, size, bool(mask.score_mods))
     worst = {"forward": 0.0, "backward": 0.0, "compute": 0.0}
     for rank in range(size):
         position = GridPosition(nodes, per_node, rank)

@@ -438,23 +438,17 @@ def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int
     return best
 
 
-def _head_groups(k, world_size: int, spec) -> int:
-    """How many head groups the ring call on these shapes runs as (:func:`burstc.ops.head_groups.head_group_count`)."""
-    from burstc.ops.head_groups import head_group_count
-
-    return head_group_count(k.shape[1], 2 * k.numel() * k.element_size(), world_size, bool(spec.score_mods))
-
-
 def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> int:
     """Bytes :func:`burstc.ops.ring_loops.ring_forward` holds beyond its outputs, on its busiest rank: copies of
     non-contiguous K/V, the two arriving K/V sets, the fp32 output accumulator (when the output is not fp32),
     and one block's output with the merge's two fp32 temporaries (and fp32 copies of low-precision inputs)."""
     from burstc.attention_ir import MaskSpec
+    from burstc.ops.head_groups import shard_head_groups
 
     spec = MaskSpec.decode(mask)
     batch, heads_q, local_len, head_dim = q.shape
     heads_kv, elem = k.shape[1], q.element_size()
-    groups = _head_groups(k, world_size, spec)
+    groups = shard_head_groups(*k.shape, k.element_size(), world_size, bool(spec.score_mods))
     # a head group's buffers: two groups' are alive at once (burstc.ops.head_groups), each 1/groups of them
     heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups
     kv_row = 2 * batch * heads_kv * head_dim * elem
@@ -478,6 +472,7 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
     non-contiguous inputs, the two arriving sets of the travelling side, up to two fp32 partial gradients of
     visitors and the buffer of own gradients returning, and one block's gradients."""
     from burstc.attention_ir import MaskSpec
+    from burstc.ops.head_groups import shard_head_groups
     from burstc.ops.ring_attention import resolve_plan
 
     spec = MaskSpec.decode(mask)
@@ -489,7 +484,7 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
     total = 0 if grad_out.is_contiguous() else q_bytes
     if queries_travel:  # delta = rowsum(out * dO) travels (whole heads, before the groups), its product a transient
         total += rows_bhs + q_bytes * ACC_BYTES // elem
-    groups = _head_groups(k, world_size, spec)
+    groups = shard_head_groups(*k.shape, k.element_size(), world_size, bool(spec.score_mods))
     # the loops run per head group (burstc.ops.head_groups): two groups' buffers alive at once, each 1/groups of
     # the heads; a group's fp32 gradients are its own (copied into the whole outputs as it finishes)
     heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups

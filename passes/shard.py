@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import burstc.ops.ring_attention  # noqa: F401  (registers burstc::ring_attention_forward/backward)
-from burstc.ops.head_groups import head_group_count
+from burstc.ops.head_groups import shard_head_groups
 from burstc.ops.ring_comm import UlyssesRing, reduction_group
 from burstc.attention_ir import Causal, Documents, KeyPadding, MaskSpec, SlidingWindow, document_ids
 from burstc.layout import AUTO, DOCUMENTS, required_multiple, static_stand_in
@@ -128,9 +128,7 @@ def _ring_and_plan(config, context, group_name: str, layout: str, mask, seq_len:
     # the head groups the op will run as (burstc.ops.head_groups): the hybrid's ring runs on a node's share of heads
     ring_heads_kv, ring_len, ring_size = (Hkv // shape[1], seq_len // shape[0], shape[0]) if ring == "ulysses" \
         else (Hkv, seq_len // P, P)
-    element = torch.empty((), dtype=dtype).element_size()
-    details["head_groups"] = head_group_count(ring_heads_kv, 2 * B * ring_heads_kv * ring_len * D * element,
-                                              ring_size, bool(mask.score_mods))
+    details["head_groups"] = shard_head_groups(B, ring_heads_kv, ring_len, D, dtype, ring_size, bool(mask.score_mods))
     if ring in transfers:
         ops = {"forward": "forward", "backward": plan_name}
         found = transfers[ring]

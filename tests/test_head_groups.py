@@ -145,6 +145,12 @@ def _groups_task(rank, world_size, cases):
                     (out * shard(grad_out)).sum().backward()
                 counters = [(c.op, c.bytes_sent_per_step, c.bytes_received_per_step, c.work_per_step,
                              dict(c.bytes_sent_by_link)) for c in stats.calls]
+                summed = {}  # RingStats.bytes_sent_by_link: every call's, per link class
+                for c in stats.calls:
+                    for link, nbytes in c.bytes_sent_by_link.items():
+                        summed[link] = summed.get(link, 0) + nbytes
+                assert stats.bytes_sent_by_link == summed and sum(summed.values()) > 0, (stats.bytes_sent_by_link,
+                                                                                        summed)
                 per_count[groups] = ([out.detach()] + [t.grad for t in leaves], counters, list(seen))
             results.append(per_count)
     finally:

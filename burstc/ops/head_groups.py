@@ -84,6 +84,16 @@ def head_group_count(heads_kv: int, kv_step_bytes: int, world_size: int, score_m
     return max(d for d in range(1, heads_kv + 1) if heads_kv % d == 0 and d <= max(1, limit))
 
 
+def shard_head_groups(batch: int, heads_kv: int, local_len: int, head_dim: int, dtype: torch.dtype | int,
+                      world_size: int, score_mods: bool) -> int:
+    """:func:`head_group_count` of a ring call on shards of this shape (``dtype``: a torch dtype or an element
+    size): a step's message is the local shard's K and V."""
+    from burstc.planner import element_size
+
+    kv_step_bytes = 2 * batch * heads_kv * local_len * head_dim * element_size(dtype)
+    return head_group_count(heads_kv, kv_step_bytes, world_size, score_mods)
+
+
 def head_slices(heads_q: int, heads_kv: int, groups: int) -> list[tuple[slice, slice]]:
     """``(query heads, key/value heads)`` of each group: contiguous K/V heads, with the query heads that
     read them (query head ``h`` reads K/V head ``h // (heads_q / heads_kv)``, SDPA's ``enable_gqa``)."""
@@ -94,8 +104,7 @@ def head_slices(heads_q: int, heads_kv: int, groups: int) -> list[tuple[slice, s
 
 def call_head_slices(q_BHSD: Tensor, k_BHSD: Tensor, world_size: int, score_mods: bool) -> list[tuple[slice, slice]]:
     """:func:`head_slices` of a ring call on these shards."""
-    kv_step_bytes = 2 * k_BHSD.numel() * k_BHSD.element_size()
-    groups = head_group_count(k_BHSD.shape[1], kv_step_bytes, world_size, score_mods)
+    groups = shard_head_groups(*k_BHSD.shape, k_BHSD.element_size(), world_size, score_mods)
     return head_slices(q_BHSD.shape[1], k_BHSD.shape[1], groups)
 
 

@@ -112,6 +112,15 @@ class RingStats:
         return [c for c in self.calls if c.op == op]
 
     @property
+    def bytes_sent_by_link(self) -> dict[str, int]:
+        """Bytes sent per link class over every call."""
+        links: dict[str, int] = {}
+        for call in self.calls:
+            for link, nbytes in call.bytes_sent_by_link.items():
+                links[link] = links.get(link, 0) + nbytes
+        return links
+
+    @property
     def transfer_s(self) -> float:
         return sum(c.transfer_s for c in self.calls)
 
