@@ -11,7 +11,8 @@ Two ways to choose what is traced:
   trace holds every op the profiler saw.  A call made while a profiler already runs is not traced.
 
 A trace is ``torch.profiler``'s (CPU activities, and CUDA where available) with burstc's spans:
-``ring fwd step t (q rank i, kv rank j)`` / ``ring bwd step t (...)`` around each ring step's compute,
+``ring fwd step t (q rank i, kv rank j)`` / ``ring bwd step t (...)`` around each ring step's compute (i, j:
+sequence ranks, the blocks' owners in the sequence-parallel group),
 ``ring fwd|bwd post step t`` and ``ring fwd|bwd wait step t`` around the calls that post the step's
 transfers and wait for them (the exposed communication), on the rank's thread; and one span per transfer,
 ``ring fwd|bwd send step t to rank j (n B)`` / ``... recv step t from rank j (n B)``, from posting to the

@@ -193,6 +193,36 @@ def test_trace_names_every_ring_step_and_transfer_peer(workers, tmp_path, world_
         assert 0 <= overlap <= 1
 
 
+def double_ring_trace_task(rank, world_size, directory, plan):
+    """The double ring on a 2 x 2 mesh inside burstc.trace (a trace once crashed there: its ring had no global
+    peer of its own to name the blocks' owners by)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(2))
+    with burstc.trace(directory):
+        burstc.ring_attention(q, k, v, causal=False, plan=plan, group_or_mesh=mesh, ring="double").sum().backward()
+
+
+@pytest.mark.parametrize("plan", ["kv_ring", "burst"])
+def test_trace_names_every_double_ring_step(workers, tmp_path, plan):
+    workers.get(4).run(double_ring_trace_task, str(tmp_path), plan)
+    for rank in range(4):
+        spans = _spans(tmp_path / f"rank{rank}.json")
+        assert _step_counts(spans) == {(op, t): 1 for op in ("fwd", "bwd") for t in range(4)}
+        pairs = {(m[1], int(m[2])): (int(m[3]), int(m[4])) for e in spans if (m := STEP.match(e["name"]))}
+        # named by sequence ranks: the forward attends this rank's queries to every rank's keys once; the
+        # backward pairs this rank with every rank once, on the side the plan keeps here
+        assert sorted(pairs["fwd", t][1] for t in range(4)) == [0, 1, 2, 3]
+        assert all(pairs["fwd", t][0] == rank for t in range(4))
+        stays, visits = (1, 0) if plan == "burst" else (0, 1)
+        assert all(pairs["bwd", t][stays] == rank for t in range(4))
+        assert sorted(pairs["bwd", t][visits] for t in range(4)) == [0, 1, 2, 3]
+        assert any(TRANSFER.match(e["name"]) for e in spans)
+
+
 def compiled_trace_task(rank, world_size, directory, layers):
     """Two training steps of a tiny Llama compiled with trace=directory: the second is traced."""
     from torch.distributed.device_mesh import init_device_mesh

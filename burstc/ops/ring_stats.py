@@ -269,8 +269,9 @@ class _ComputeStep:
         recorder = self.recorder
         self.span = None
         if recorder.spans:
-            ring = recorder.ring
-            q_rank, kv_rank = (ring.peer(owner - ring.rank) for owner in self.pair)
+            # sequence ranks (a rank's place in the sequence-parallel group; the global rank on a 1-D world
+            # mesh): every ring kind knows them, and they name the blocks a step attends
+            q_rank, kv_rank = self.pair
             self.span = _Span(f"ring {recorder.tag} step {self.step} (q rank {q_rank}, kv rank {kv_rank})",
                               dict(kind="compute", op=recorder.tag, step=self.step, q_rank=q_rank, kv_rank=kv_rank))
         self.start = time.perf_counter()
