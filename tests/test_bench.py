@@ -257,3 +257,34 @@ def test_checkpoint_pareto_plot(tmp_path):
     plt.close(fig)
     assert end_to_end.checkpoint_pareto({"config": {"ranks": 2}, "results": {"burstc": report["results"]["burstc"]}},
                                         plt) is None
+
+
+def test_mesh_option_is_validated_and_shown_in_the_emulated_command(capsys):
+    assert end_to_end.main(["--emulated-network", "--ranks", "4", "--mesh", "2x2", "--seq-lens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "$EC --nodes 2 --gpus-per-node 2 --intra 101 --inter 11.3 -- burstc bench --ranks 4 --mesh 2x2" in out
+    for bad in (["--ranks", "4", "--mesh", "2x3"], ["--ranks", "4", "--mesh", "two"], ["--ranks", "4", "--mesh", "0x4"]):
+        with pytest.raises(SystemExit):
+            end_to_end.main(bad + ["--seq-lens", "64"])
+    assert "--mesh 2x3 has 6 ranks, --ranks is 4" in capsys.readouterr().err
+
+
+def _mesh_case_task(rank, world_size, case):
+    return end_to_end.run_case(rank, world_size, case)
+
+
+@pytest.mark.multirank
+def test_burstc_row_on_a_two_level_mesh_matches_eager(workers):
+    """``--mesh 2x2``: burstc's row compiles on a named 2 x 2 mesh, runs a double ring (bytes on both link
+    classes) and its step-0 loss and gradient norm equal one-process eager's."""
+    pytest.importorskip("transformers")
+    shape = end_to_end.ModelShape(dim=32, layers=1, heads=4, kv_heads=2, ffn=64, vocab=97)
+    case = end_to_end.Case("burstc", 64, 4, shape, steps=1, burstc_backend="aot_eager", mesh=(2, 2))
+    per_rank = workers.get(4).run(_mesh_case_task, case)
+    eager = end_to_end.run_case(0, 1, end_to_end.Case("eager", 64, 1, shape, steps=1))
+    row = end_to_end.combine(case, [p for p, _ in per_rank], [list(s) for s in zip(*(s for _, s in per_rank))], 1e9)
+    assert set(row["attention_mib_sent_by_link"]) == {"inter", "intra"}
+    assert all(mib > 0 for mib in row["attention_mib_sent_by_link"].values())
+    rtol = tolerance(torch.float32, "sharded_loss").rtol
+    assert abs(row["loss0"] - eager[0]["loss0"]) <= rtol * abs(eager[0]["loss0"])
+    assert row["grad_norm0"] == pytest.approx(eager[0]["grad_norm0"], rel=1e-4)

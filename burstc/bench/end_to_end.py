@@ -3,6 +3,7 @@
     burstc bench                                   # P=2 gloo ranks, S = 1K, 2K, 4K, every row, the cap search
     burstc bench --seq-lens 2048 8192 --rows burstc torch_ring eager --memory-cap-mib 0   # no cap search
     burstc bench --emulated-network                # how to run the same under the emulated cluster
+    burstc bench --ranks 4 --mesh 2x2 ...          # burstc's rows on a 2 nodes x 2 ranks mesh (its double ring)
     python -m burstc.bench.end_to_end ...          # the same (python benchmarks/end_to_end.py in a checkout)
 
 It needs ``transformers`` (the model) and, for the lucidrains row, ``ring-attention-pytorch``:
@@ -135,6 +136,7 @@ class Case:
     budget: float = 0.5
     burstc_backend: str = "inductor"
     seed: int = 0
+    mesh: tuple[int, int] | None = None  # burstc's rows: (nodes, ranks per node) instead of a 1-D mesh
 
     @property
     def key(self) -> str:
@@ -266,7 +268,10 @@ def _make_step(case: Case, rank: int, world_size: int):
         from torch.distributed.device_mesh import init_device_mesh
 
         model = build_model(case.shape, case.seq_len, case.seed)
-        mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
+        if case.mesh is not None:  # named so that burstc sees a topology: its planner picks the ring per attention
+            mesh = init_device_mesh("cpu", case.mesh, mesh_dim_names=("inter", "intra"))
+        else:
+            mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
         options = {} if case.burstc_backend == "inductor" else {"backend": case.burstc_backend}  # inductor: the default
         if case.row in ("burstc_selective", "burstc_selective_half", "burstc_layers"):
             options["checkpoint"] = case.row.removeprefix("burstc_").removesuffix("_half")
@@ -366,7 +371,9 @@ def step_case(rank: int, world_size: int, key: str) -> dict:
             elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     return {"time_s": elapsed, "cpu_s": cpu, "activation_bytes": peak.extra_bytes,
             "peak_bytes": peak.extra_bytes + _state_bytes(state["model"], state["optimizer"]),
-            "burstc_bytes_sent": sum(c.total_bytes_sent for c in stats.calls), "load_average": os.getloadavg()[0]}
+            "burstc_bytes_sent": sum(c.total_bytes_sent for c in stats.calls),
+            "burstc_bytes_by_link": stats.bytes_sent_by_link,
+            "load_average": os.getloadavg()[0]}
 
 
 def release_cases(rank: int, world_size: int) -> None:
@@ -406,8 +413,11 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
     step_s = min(times)
     cpu_s = min(max(r["cpu_s"] for r in ranks) for ranks in steps)
     tokens = prepared[0]["tokens"]
+    by_link = {}
     if case.row in BURSTC_ROWS:
         sent, how = max(r["burstc_bytes_sent"] for r in steps[-1]), "measured (record_stats)"
+        links = {link for r in steps[-1] for link in r["burstc_bytes_by_link"]}
+        by_link = {link: max(r["burstc_bytes_by_link"].get(link, 0) for r in steps[-1]) / 2**20 for link in links}
     else:
         sent, how = attention_bytes(case)
     return {
@@ -418,6 +428,7 @@ def combine(case: Case, prepared: list[dict], steps: list[list[dict]], peak_flop
         "peak_mib_per_rank": max(r["peak_bytes"] for ranks in steps for r in ranks) / 2**20,
         "activation_mib_per_rank": max(r["activation_bytes"] for ranks in steps for r in ranks) / 2**20,
         "attention_mib_sent_per_rank": sent / 2**20, "bytes_counted": how,
+        "attention_mib_sent_by_link": by_link,  # the busiest rank's, per link class (burstc's rows)
         "mfu": step_flops(case.shape, case.seq_len) / case.ranks / step_s / peak_flops,
         "loss0": prepared[0]["loss0"], "grad_norm0": prepared[0]["grad_norm0"],
         "load_average": max(r["load_average"] for ranks in steps for r in ranks),
@@ -436,7 +447,7 @@ def expand_rows(rows: list[str], budgets: list[float]) -> list[str]:
 def case_of(key: str, seq_len: int, args, shape: ModelShape, steps: int) -> Case:
     row, _, budget = key.partition("@")
     return Case(row, seq_len, _row_ranks(key, args.ranks), shape, steps, float(budget) if budget else 0.5,
-                args.burstc_backend, args.seed)
+                args.burstc_backend, args.seed, args.mesh if row in BURSTC_ROWS else None)
 
 
 def _unavailable(key: str) -> str | None:
@@ -655,7 +666,10 @@ def markdown(report: dict) -> str:
         "",
         f"Model: dim {shape['dim']}, {shape['layers']} layers, {shape['heads']} heads ({shape['kv_heads']} kv), "
         f"ffn {shape['ffn']}, vocab {shape['vocab']}, fp32, batch 1. Sharded rows on {cfg['ranks']} gloo ranks "
-        f"(zigzag), one thread per rank; one-process rows on one thread. Best of {cfg['steps']} timed steps after a "
+        f"(zigzag"
+        + (f"; burstc's on a {cfg['mesh'][0]} x {cfg['mesh'][1]} mesh, the peers' on the flat group" if cfg.get("mesh")
+           else "")
+        + f"), one thread per rank; one-process rows on one thread. Best of {cfg['steps']} timed steps after a "
         f"warm-up step (slowest rank). Machine: {machine['cpus']} CPUs, load average {machine['load_start']:.1f} at "
         f"the start, {machine['load_end']:.1f} at the end (shared with other work); torch {machine['torch']}. "
         f"MFU against {machine['peak_gflops']:.1f} GFLOP/s per thread ({machine['peak_method']}). "
@@ -673,6 +687,9 @@ def markdown(report: dict) -> str:
         for s, c in sorted(row["by_seq_len"].items()):
             sent = f"{c['attention_mib_sent_per_rank']:.1f}" + (" (formula)" if c["bytes_counted"].startswith(
                 "formula") else "")
+            links = c.get("attention_mib_sent_by_link") or {}
+            if set(links) - {"ring"}:  # a 2-D mesh: the busiest rank's bytes per link class
+                sent += " (" + ", ".join(f"{link} {mib:.1f}" for link, mib in sorted(links.items())) + ")"
             err = lambda key: f"{c[key]:.1e}" if key in c else "-"  # noqa: E731
             per_cpu_s = f"{c['tokens_per_cpu_s_per_rank']:,.0f}" if "tokens_per_cpu_s_per_rank" in c else "-"
             cpu_ratio = f"{c['cpu_tokens_vs_best_peer']:.2f}x" if "cpu_tokens_vs_best_peer" in c else "-"
@@ -865,12 +882,15 @@ def sweep(rows: list[str], seq_lens: list[int], args, shape: ModelShape, peak_fl
     return results
 
 
-def emulated_network_help(argv: list[str], ranks: int) -> str:
+def emulated_network_help(argv: list[str], ranks: int, mesh: tuple[int, int] | None = None) -> str:
     rest = " ".join(shlex.quote(a) for a in argv if a != "--emulated-network")
+    # a mesh: two link classes at the README's calibration for 4 ranks on 2 cores, fp32 standing for bf16
+    links = (f"--nodes {mesh[0]} --gpus-per-node {mesh[1]} --intra 101 --inter 11.3" if mesh
+             else f"--ranks {ranks} --rate 50")
     return (
         "Run the same benchmark with every gloo rank pair rate-limited (the emulated cluster; as root, with this "
         f"python's bin first on PATH; see its README next to it):\n\n    EC={EMULATED_CLUSTER}\n"
-        f"    $EC --ranks {ranks} --rate 50 -- burstc bench {rest}\n\n"
+        f"    $EC {links} -- burstc bench {rest}\n\n"
         "(--rate MB/s per ordered rank pair; for two nodes use --nodes N --gpus-per-node G --intra MBPS --inter "
         "MBPS with --ranks N*G.  The ranks are spawned by WorkerGroup through init_process_group(rank=...), which "
         "the tool's hook reads.  The one-process rows send nothing and are unaffected.)")
@@ -882,6 +902,16 @@ def source_checkout() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "benchmarks").is_dir() else None
 
 
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        nodes, per_node = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NxG (nodes x ranks per node, e.g. 2x2), got {text!r}") from None
+    if nodes < 1 or per_node < 1:
+        raise argparse.ArgumentTypeError(f"a mesh needs at least one node and one rank per node, got {text!r}")
+    return nodes, per_node
+
+
 def _parser() -> argparse.ArgumentParser:
     checkout = source_checkout()
     out_dir = checkout / "benchmarks" / "results" if checkout else Path("burstc-bench")
@@ -889,6 +919,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="burstc bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the sharded rows")
+    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="NxG",
+                        help="burstc's rows on an N nodes x G ranks per node mesh (dims named inter, intra: the "
+                             "planner picks double ring, hybrid or flat per attention); N x G must equal --ranks; "
+                             "the peers' rows stay on the flat world group")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS),
                         help="default: all but the checkpointing comparison's rows (" + ", ".join(CHECKPOINT_ROWS)
@@ -930,7 +964,7 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.emulated_network:
-        print(emulated_network_help(argv, args.ranks))
+        print(emulated_network_help(argv, args.ranks, args.mesh))
         return 0
     if args.from_json:
         report = json.loads(args.from_json.read_text())
@@ -947,6 +981,9 @@ def main(argv=None) -> int:
     bad = [s for s in args.seq_lens if s % (2 * args.ranks)]
     if bad or args.ranks < 2:
         parser.error(f"need --ranks >= 2 and lengths that are multiples of 2 x ranks (zigzag); got {bad or args.ranks}")
+    if args.mesh and args.mesh[0] * args.mesh[1] != args.ranks:
+        parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]} has {args.mesh[0] * args.mesh[1]} ranks, --ranks is "
+                     f"{args.ranks}")
     rows = [r for r in ROWS if r in args.rows]
     if "eager" not in rows:
         rows.append("eager")  # the reference of the loss and gradient columns
@@ -968,7 +1005,7 @@ def main(argv=None) -> int:
                     bisect=args.cap_bisect, timeout_s=args.timeout_s, peak_flops=peak_flops, progress=progress)
     progress.close()
     machine["load_end"] = os.getloadavg()[0]
-    config = {"ranks": args.ranks, "seq_lens": seq_lens, "rows": rows, "steps": args.steps,
+    config = {"ranks": args.ranks, "mesh": args.mesh, "seq_lens": seq_lens, "rows": rows, "steps": args.steps,
               "shape": dataclasses.asdict(shape), "budgets": args.budgets, "burstc_backend": args.burstc_backend,
               "memory_cap_mib": args.memory_cap_mib, "max_seq_len": args.max_seq_len, "cap_bisect": args.cap_bisect,
               "command": " ".join(["burstc bench"] + [shlex.quote(a) for a in argv]),
