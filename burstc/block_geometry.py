@@ -521,6 +521,44 @@ def _static_pieces(block: Block, q0: int, q1: int, k0: int, k1: int) -> list[Blo
     return pieces
 
 
+MAX_PADDING_SEGMENTS = 5
+"""A block's keys split at padding into at most this many runs (left or right padding of a batch: two or three);
+keys padded in a scattered pattern keep the block whole, on the position-masked kernel."""
+
+
+def split_blocks_at_key_padding(found: tuple[Block, ...], kv_valid_somewhere_L: torch.Tensor,
+                                kv_valid_everywhere_L: torch.Tensor) -> tuple[Block, ...]:
+    """A key-padding mask's blocks (no documents) with each full or top-left causal block's keys cut into runs:
+    keys real in every batch row keep the static kernel (:func:`_static_pieces`, ``data_free``: the flash-style
+    kernels), keys real in some rows only become a :data:`POSITIONS` block (the padding applied element-wise; for a
+    causal block, only the rows from the run's first key on, the earlier ones see none of it), keys padded in every
+    row are dropped (they do not travel).  Without this every block of a padded batch ran the position-masked
+    kernel, which on CPU costs more than the transfers the padding saves.  Every visible entry stays covered
+    exactly once; other blocks (windows' bands, anti-causal pieces) are kept as they are."""
+    kinds_L = kv_valid_somewhere_L.to(torch.int8) + kv_valid_everywhere_L.to(torch.int8)  # 0 none, 1 some, 2 all
+    split = []
+    for block in found:
+        if block.mask not in (FULL, CAUSAL):
+            split.append(block)
+            continue
+        kinds = kinds_L[block.kv_start:block.kv_stop]
+        edges = [0] + ((kinds[1:] != kinds[:-1]).nonzero().flatten() + 1).tolist() + [len(kinds)]
+        if len(edges) - 1 > MAX_PADDING_SEGMENTS:
+            split.append(block)
+            continue
+        rows = block.q_stop - block.q_start
+        for k0, k1 in zip(edges[:-1], edges[1:]):
+            kind = int(kinds[k0])
+            if kind == 2:
+                split.extend(_static_pieces(block, 0, rows, k0, k1))
+            elif kind == 1:
+                q0 = min(k0, rows) if block.mask == CAUSAL else 0  # top-left causal: row r sees keys 0..r
+                if q0 < rows:
+                    split.append(Block(block.q_start + q0, block.q_stop, block.kv_start + k0, block.kv_start + k1,
+                                       POSITIONS, (rows - q0) * (k1 - k0)))
+    return tuple(split)
+
+
 def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, world_size: int,
                 doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None,
                 packed_documents: bool | None = None) -> tuple[Block, ...]:
@@ -536,6 +574,9 @@ def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if found and mask.term(KeyPadding) is not None:  # keys padded in every batch row don't travel: drop their blocks
         kv_valid_L = valid_key_rows(layout, kv_owner, local_len, world_size, key_valid_BS)
         found = tuple(b for b in found if bool(kv_valid_L[b.kv_start:b.kv_stop].any()))
+        if found and mask.term(Documents) is None:
+            positions = local_positions(local_len * world_size, world_size, kv_owner, layout, key_valid_BS.device)
+            found = split_blocks_at_key_padding(found, kv_valid_L, key_valid_BS[:, positions].all(0))
     if found and mask.term(Documents) is not None:
         if packed_documents is None:
             packed_documents = documents_sorted(doc_ids_BS)

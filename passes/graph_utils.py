@@ -327,7 +327,14 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int | None =
     inputs = inputs or {}
     max_numel = FULL_EVALUATION_LIMIT if max_numel is None else max_numel
     env = {}
-    for n in evaluation_order(gm, node, at):
+    order = evaluation_order(gm, node, at)
+    # each value is dropped after its last reader: a [1, 1, S, S] mask at S = 16K is 1 GiB in fp32 per
+    # intermediate, and keeping all of them took 7 GiB per rank (four ranks ran a 24 GiB machine out of memory)
+    last_reader = {}
+    for index, n in enumerate(order):
+        for arg in n.all_input_nodes:
+            last_reader[arg] = index
+    for index, n in enumerate(order):
         if n in inputs:
             env[n] = inputs[n]
             continue
@@ -364,6 +371,9 @@ def evaluate_constant(gm: fx.GraphModule, node: fx.Node, max_numel: int | None =
                 and tuple(env[n].shape) != expected:
             raise NotScalable(f"`{n.name}`: shape {tuple(traced.shape)} at length {length.full} is "
                               f"{tuple(env[n].shape)} at {length.probe}, not {expected}")
+        for arg in n.all_input_nodes:
+            if last_reader.get(arg) == index and arg is not node:
+                env.pop(arg, None)
     return env[node]
 
 

@@ -47,6 +47,11 @@ CODES = register_codes("attention", {
 })
 
 
+ROW_CHUNK = 1024
+"""Rows of an ``[S, S]`` visibility read at a time: whole-matrix offsets ``j - i`` in int64 took 7 GiB at S = 16K
+(four ranks compiling at once ran a 24 GiB machine out of memory); a chunk of rows is 8 MiB of int64 per 1K keys."""
+
+
 def spec_of_visibility(visible: torch.Tensor) -> MaskSpec | None:
     """``visible[..., Sq, Skv]`` (True = may attend) -> the exact static MaskSpec, or None."""
     visible = visible.to(torch.bool)
@@ -61,10 +66,18 @@ def spec_of_visibility(visible: torch.Tensor) -> MaskSpec | None:
         return MaskSpec.full()
     if sq != skv or not bool(v.any()):
         return None
-    pos = torch.arange(sq)
-    offset = pos.unsqueeze(0) - pos.unsqueeze(1)          # j - i
-    right = int(offset[v].max())                           # farthest visible key ahead of the query
-    left = int((-offset)[v].max())                         # farthest visible key behind the query
+    right = left = None  # the farthest visible key ahead of its query (j - i), and behind it (i - j)
+    for start in range(0, sq, ROW_CHUNK):
+        rows_RK = v[start:start + ROW_CHUNK]
+        seen_R = rows_RK.any(1)
+        if not bool(seen_R.any()):
+            continue
+        row_R = torch.arange(start, start + rows_RK.shape[0])
+        first_R = rows_RK.to(torch.int8).argmax(1)  # argmax gives the first maximal index: the first visible key
+        last_R = skv - 1 - rows_RK.flip(1).to(torch.int8).argmax(1)
+        chunk_right, chunk_left = int((last_R - row_R)[seen_R].max()), int((row_R - first_R)[seen_R].max())
+        right = chunk_right if right is None else max(right, chunk_right)
+        left = chunk_left if left is None else max(left, chunk_left)
     if right < 0 or left < 0:
         return None
     terms = []
@@ -75,7 +88,9 @@ def spec_of_visibility(visible: torch.Tensor) -> MaskSpec | None:
     if left_bound is not None or right_bound is not None:
         terms.append(SlidingWindow(left_bound, right_bound))
     spec = MaskSpec(tuple(terms))
-    return spec if bool((spec.visible(pos, pos) == v).all()) else None
+    pos = torch.arange(sq)
+    return spec if all(bool((spec.visible(pos[start:start + ROW_CHUNK], pos) == v[start:start + ROW_CHUNK]).all())
+                       for start in range(0, sq, ROW_CHUNK)) else None
 
 
 def alibi_of(bias: torch.Tensor, visible: torch.Tensor, heads: int | None) -> Alibi | None:

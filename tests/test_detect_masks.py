@@ -422,13 +422,25 @@ def test_hf_falcon_alibi_is_detected_per_layer(impl):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("row_chunk", [2, 1024])
 @pytest.mark.parametrize("seq", [2, 5, 9])
-def test_every_static_band_is_classified_with_its_exact_visibility(seq):
+def test_every_static_band_is_classified_with_its_exact_visibility(seq, row_chunk, monkeypatch):
     """Every causal / window / band of every width up to the whole sequence (the widths next to S - 1
-    included, where a window stops hiding anything) comes back as a spec with exactly that visibility."""
+    included, where a window stops hiding anything) comes back as a spec with exactly that visibility, also when
+    the visibility is read a few rows at a time (``ROW_CHUNK``: long masks are); a mask that is none of them, or
+    that differs from one in a single entry of a later chunk, is not."""
+    from burstc.passes import mask_classification
     from burstc.passes.mask_classification import spec_of_visibility
 
+    monkeypatch.setattr(mask_classification, "ROW_CHUNK", row_chunk)
     pos = torch.arange(seq)
+    if seq > 2:
+        nearly = MaskSpec.causal().visible(pos, pos).clone()
+        nearly[seq - 1, 1] = False  # a hole in the last row: not causal, not a window
+        assert spec_of_visibility(nearly) is None
+        strict = pos[:, None] > pos[None, :]
+        strict[0, 0] = True  # the first row sees itself, every later row only the keys before it
+        assert spec_of_visibility(strict) is None
     widths = [None, *range(seq)]
     for causal in (False, True):
         for left in widths:

@@ -141,6 +141,59 @@ def test_runtime_terms_are_executable_and_blocks_take_the_static_part():
     assert (CAUSAL & SlidingWindow(2) & DOCS & PAD).static_part == CAUSAL & SlidingWindow(2)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_padding_splits_blocks_so_real_keys_keep_the_flash_kernels(layout, world_size):
+    """Key padding without documents: a block's keys real in every batch row run the static (flash-style) kernels,
+    keys real in some rows the position-masked one, keys padded everywhere nothing; together they cover each visible
+    entry exactly once (summed over the batch), for left, right, mixed and scattered padding, causal and full."""
+    from burstc.block_geometry import CAUSAL as CAUSAL_BLOCK, FULL, MAX_PADDING_SEGMENTS, data_blocks
+
+    local_len = 12
+    seq_len = local_len * world_size
+    generator = torch.Generator().manual_seed(world_size)
+    paddings = {"left": lambda v, n: v.__setitem__(slice(None, n), False),
+                "right": lambda v, n: v.__setitem__(slice(seq_len - n, None), False)}
+    for case in range(8):
+        valid_BS = torch.ones(2, seq_len, dtype=torch.bool)
+        for row in range(2):
+            side = ("left", "right")[(case + row * (case // 4)) % 2]  # cases 4..7 mix the sides
+            paddings[side](valid_BS[row], int(torch.randint(1, seq_len, (), generator=generator)))
+        if case == 7:  # scattered: more runs than a block splits into
+            valid_BS[:, ::2] = True
+            valid_BS[:, 1::4] = False
+        no_docs_BS = torch.zeros(2, seq_len, dtype=torch.long)  # the mask has no documents term
+        for mask in (CAUSAL & PAD, MaskSpec((PAD,))):
+            for q_owner in range(world_size):
+                for kv_owner in range(world_size):
+                    q_pos, kv_pos = (layouts.local_positions(seq_len, world_size, o, layout) for o in (q_owner, kv_owner))
+                    truth_BQK = _visible(mask, q_pos, kv_pos, no_docs_BS, valid_BS)[:, 0].long()
+                    covered_BQK = torch.zeros_like(truth_BQK)
+                    for block in data_blocks(layout, mask, q_owner, kv_owner, local_len, world_size,
+                                             key_valid_BS=valid_BS):
+                        keys_real_BK = valid_BS[:, kv_pos[block.kv_rows]]
+                        if block.mask in (FULL, CAUSAL_BLOCK):  # the static geometry of the block, top-left causal
+                            rows, cols = block.q_stop - block.q_start, block.kv_stop - block.kv_start
+                            shape_QK = (torch.arange(rows)[:, None] >= torch.arange(cols)[None, :]) if block.causal \
+                                else torch.ones(rows, cols, dtype=torch.bool)
+                            if block.data_free:
+                                assert bool(keys_real_BK.all()), (case, block)
+                            seen_BQK = shape_QK[None] & keys_real_BK[:, None, :]
+                        else:
+                            seen_BQK = _visible(mask, q_pos[block.q_rows], kv_pos[block.kv_rows], no_docs_BS,
+                                                valid_BS)[:, 0]
+                        covered_BQK[:, block.q_rows, block.kv_rows] += seen_BQK.long()
+                    assert torch.equal(covered_BQK, truth_BQK), (layout, world_size, case, q_owner, kv_owner)
+    # a left-padded batch: most entries leave the position-masked kernel
+    valid_BS = torch.ones(2, 8192, dtype=torch.bool)
+    valid_BS[0, :2048], valid_BS[1, :2867] = False, False
+    found = [b for q in range(4) for kv in range(4)
+             for b in data_blocks("zigzag", CAUSAL & PAD, q, kv, 2048, 4, key_valid_BS=valid_BS)]
+    masked = sum(b.kernel_entries for b in found if not b.data_free)
+    assert sum(b.kernel_entries for b in found if b.data_free) > 2 * masked > 0
+    assert MAX_PADDING_SEGMENTS >= 3
+
+
 class _Ring:
     def __init__(self, size):
         self.size = size
@@ -166,8 +219,8 @@ def test_pair_skip_is_exact_and_happens_where_the_data_hide_a_pair():
                         if not bool(visible.any()):
                             continue
                         static = blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size)
-                        if mask.term(Documents) is None:  # sorted document ids trim the blocks further
-                            assert found == static
+                        if mask.term(Documents) is None and mask.term(KeyPadding) is None:
+                            assert found == static  # sorted document ids trim the blocks, padding splits them
                         # every visible entry in exactly one block, inside the static blocks
                         cover, inside = (torch.zeros(local_len, local_len, dtype=torch.int64) for _ in range(2))
                         for block in found:

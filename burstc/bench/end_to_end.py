@@ -845,7 +845,9 @@ def sweep(rows: list[str], seq_lens: list[int], args, shape: ModelShape, peak_fl
         groups = {ranks: stack.enter_context(WorkerGroup(ranks, run_timeout_s=args.timeout_s))
                   for ranks in sorted({_row_ranks(row, args.ranks) for row in live})}
         def failed(row, seq_len, exc):
-            results[row] = {"skipped": f"failed at S={seq_len}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+            first_line = (str(exc).splitlines() or [""])[0][:300]
+            results[row] = {"skipped": f"failed at S={seq_len}: {type(exc).__name__}: {first_line}"}
+            print(f"burstc bench: row {row} {results[row]['skipped']}", file=sys.stderr, flush=True)
             ranks = _row_ranks(row, args.ranks)
             if not groups[ranks].alive:  # a rank died (or hung): later rows get a fresh group
                 groups[ranks] = stack.enter_context(WorkerGroup(ranks, run_timeout_s=args.timeout_s))
