@@ -250,10 +250,28 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
             if step:  # the first step compiles
                 times.append(time.perf_counter() - started)
         report = burstc.report(cmodel)
-        # the last step's ring calls: bytes this rank sent per link class
-        rows[ring] = {"wall_s": min(times), "loss": float(loss), "sent": stats.bytes_sent_by_link,
+        # the last step's ring calls: bytes this rank sent per link class, and each call's time and compute
+        rows[ring] = {"wall_s": min(times), "last_s": times[-1], "loss": float(loss.detach()),
+                      "sent": stats.bytes_sent_by_link,
+                      "calls": [(c.op, c.wall_s, c.compute_s, dict(c.bytes_sent_by_link)) for c in stats.calls],
                       "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
     return rows
+
+
+def _dependency_floor(row: dict, rates) -> dict:
+    """One rank's last step split into its ring calls and the rest, and the floor no overlap inside a ring call can
+    beat: each call at max(its compute, its busiest link's bytes / rate) — a layer's attention needs its own inputs
+    and the next layer its output, so a call can hide its transfers only behind its own compute — plus the rest."""
+    rate_of = {"intra": rates[0], "inter": rates[1]}
+    ring_s = {"forward": 0.0, "backward": 0.0}
+    compute_s, floor = dict(ring_s), 0.0
+    for op, wall_s, call_compute_s, sent in row["calls"]:
+        ring_s[op] += wall_s
+        compute_s[op] += call_compute_s
+        floor += max([call_compute_s] + [n / (rate_of[link] * 1e6) for link, n in sent.items() if link in rate_of])
+    other = row["last_s"] - sum(ring_s.values())
+    return {"step_s": row["last_s"], "ring_s": ring_s, "compute_s": compute_s, "other_s": other,
+            "floor_s": floor + other}
 
 
 def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, rates) -> str:
@@ -277,6 +295,16 @@ def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, ra
             bound = f"{max((n / (rate_of[link] * 1e6) for link, n in row['sent'].items()), default=0.0):.2f}"
         lines.append(f"| {ring} | {', '.join(map(str, row['rings']))} | {row['wall_s']:.2f} | {row['loss']:.6f} "
                      f"| {row['wall_s'] / base:.2f}x | {sent} | {bound} |")
+    if rates and all("inter" in r[ring]["sent"] for r in per_rank for ring in rows):
+        lines.append("\nthe last step per rank: ring calls (their compute) and the rest; the dependency floor "
+                     "(each ring call at max(compute, busiest link bytes / rate), plus the rest):")
+        for ring in rows:
+            for rank, r in enumerate(per_rank):
+                f = _dependency_floor(r[ring], rates)
+                lines.append(f"  {ring} rank {rank}: step {f['step_s']:.2f} s = forward ring {f['ring_s']['forward']:.2f} "
+                             f"({f['compute_s']['forward']:.2f}) + backward ring {f['ring_s']['backward']:.2f} "
+                             f"({f['compute_s']['backward']:.2f}) + rest {f['other_s']:.2f}; floor {f['floor_s']:.2f} s, "
+                             f"step {f['step_s'] / f['floor_s']:.2f}x of it")
     return "\n".join(lines)
 
 

@@ -43,9 +43,10 @@ def test_trace_option_is_validated():
 
 
 def test_hidden_time_is_the_part_of_a_transfer_spent_computing(monkeypatch):
-    """A recorded call with a fake clock: posted at 0 (posting takes 0.5 s), step 0 computes 1..4, the wait runs
-    6..7.5; the last hop (step 1) is posted at 8 and waited for at once.  Hidden 3 of 7.5 s, exposed 0.5 + 1.5."""
-    clock = iter([0.0, 0.5, 1.0, 4.0, 6.0, 7.5, 8.0, 8.25, 8.25, 9.0])
+    """A recorded call with a fake clock: it starts at -1, posted at 0 (posting takes 0.5 s), step 0 computes 1..4,
+    the wait runs 6..7.5; the last hop (step 1) is posted at 8 and waited for at once; the call ends at 10.
+    Hidden 3 of 7.5 s, exposed 0.5 + 1.5; the call took 11 s, 3 of them computing."""
+    clock = iter([-1.0, 0.0, 0.5, 1.0, 4.0, 6.0, 7.5, 8.0, 8.25, 8.25, 9.0, 10.0])
     monkeypatch.setattr(ring_stats.time, "perf_counter", lambda: next(clock))
     ring = types.SimpleNamespace(size=2, rank=0, peer=lambda offset: offset % 2, extra_backward_hops=1)
     q = torch.zeros(1, 2, 4, 8)
@@ -68,6 +69,7 @@ def test_hidden_time_is_the_part_of_a_transfer_spent_computing(monkeypatch):
     assert call.hidden_s_per_step == [3.0, 0.0, 0.0]
     assert call.exposed_s_per_step == [2.0, 1.0, 0.0]
     assert call.overlap == stats.overlap == pytest.approx(3.0 / 8.5)
+    assert (call.wall_s, call.compute_s) == (11.0, 3.0)
     assert ring_stats._overlap_s(0, 10, [(1, 3), (5, 12), (-4, -1)]) == 7
 
 
@@ -157,7 +159,7 @@ def eager_trace_task(rank, world_size, directory, plan):
     k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(2))
     with burstc.trace(directory) as window:
         burstc.ring_attention(q, k, v, causal=False, plan=plan).sum().backward()
-    return [c.overlap for c in window.stats.calls], window.overlap
+    return [(c.overlap, c.wall_s, c.compute_s) for c in window.stats.calls], window.overlap
 
 
 @pytest.mark.parametrize("world_size, plan", [(2, "kv_ring"), (4, "burst")])
@@ -189,7 +191,8 @@ def test_trace_names_every_ring_step_and_transfer_peer(workers, tmp_path, world_
         # step P: the last hop)
         hops = {int(m[3]) for m, _ in transfers if m[1] == "bwd"}
         assert hops == set(range(world_size - 1)) | set(range(2, world_size + 1))
-        assert len(call_overlaps) == 2 and all(0 <= x <= 1 for x in call_overlaps)
+        assert len(call_overlaps) == 2 and all(0 <= x <= 1 for x, _, _ in call_overlaps)
+        assert all(0 < compute_s <= wall_s for _, wall_s, compute_s in call_overlaps)  # each call's time, its compute
         assert 0 <= overlap <= 1
 
 

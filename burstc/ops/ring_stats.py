@@ -63,6 +63,10 @@ class RingCallStats:
     kernel_entries_per_step: list[int] = dataclasses.field(default_factory=list)
     """Score entries the kernels evaluated at each compute step (B * Hq * each block's rectangle, a top-left causal
     block's triangle): ``work_per_step`` plus the hidden entries inside computed blocks."""
+    wall_s: float = 0.0
+    """Seconds from the call's start (its recorder's creation) to its end (publication)."""
+    compute_s: float = 0.0
+    """Seconds of those spent in the compute steps (the block kernels and their merges)."""
 
     @property
     def causal(self) -> bool:
@@ -211,6 +215,7 @@ class CallRecorder:
         self.computing: list[tuple[float, float]] = []  # (start, stop) of each compute step so far
         if not self.enabled:
             return
+        self.started = time.perf_counter()
         batch, heads_q, local_len, head_dim = q.shape
         steps = ring.size + (ring.extra_backward_hops if op == "backward" else 0)
         per_step = (lambda zero: [zero] * steps) if ring.size > 1 else (lambda zero: [])
@@ -257,6 +262,8 @@ class CallRecorder:
 
     def publish(self) -> None:
         if self.enabled:
+            self.stats.wall_s = time.perf_counter() - self.started
+            self.stats.compute_s = sum(stop - start for start, stop in self.computing)
             for recorder in _active_recorders:
                 recorder.calls.append(self.stats)
 
