@@ -183,7 +183,7 @@ def _combine(per_rank: list[dict], impl: str, rates: tuple[float, float] | None,
     combined = {"wall_s": min(walls), "wall_median_s": sorted(walls)[len(walls) // 2], "intra_bytes": intra,
                 "inter_bytes": inter, "plan": rows[0]["plan"], "error": max(r.get("error", 0.0) for r in rows)}
     if rates is not None:
-        combined["comm_bound_s"] = max(intra / (rates[0] * 1e6), inter / (rates[1] * 1e6))
+        combined["comm_bound_s"] = _busiest_link_s({"intra": intra, "inter": inter}, rates)
     if impl.startswith("burstc_"):
         from burstc.cost_model import Machine, predicted_ring_cost
 
@@ -258,17 +258,22 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
     return rows
 
 
+def _busiest_link_s(sent: dict[str, int], rates) -> float:
+    """Seconds the busiest of the ``intra`` / ``inter`` link classes needs for ``sent`` bytes at ``rates`` MB/s."""
+    rate_of = {"intra": rates[0], "inter": rates[1]}
+    return max((n / (rate_of[link] * 1e6) for link, n in sent.items() if link in rate_of), default=0.0)
+
+
 def _dependency_floor(row: dict, rates) -> dict:
     """One rank's last step split into its ring calls and the rest, and the floor no overlap inside a ring call can
     beat: each call at max(its compute, its busiest link's bytes / rate) — a layer's attention needs its own inputs
     and the next layer its output, so a call can hide its transfers only behind its own compute — plus the rest."""
-    rate_of = {"intra": rates[0], "inter": rates[1]}
     ring_s = {"forward": 0.0, "backward": 0.0}
     compute_s, floor = dict(ring_s), 0.0
     for op, wall_s, call_compute_s, sent in row["calls"]:
         ring_s[op] += wall_s
         compute_s[op] += call_compute_s
-        floor += max([call_compute_s] + [n / (rate_of[link] * 1e6) for link, n in sent.items() if link in rate_of])
+        floor += max(call_compute_s, _busiest_link_s(sent, rates))
     other = row["last_s"] - sum(ring_s.values())
     return {"step_s": row["last_s"], "ring_s": ring_s, "compute_s": compute_s, "other_s": other,
             "floor_s": floor + other}
@@ -291,8 +296,7 @@ def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, ra
         sent = ", ".join(f"{link} {nbytes / 2**20:.1f}" for link, nbytes in row["sent"].items()) or "-"
         bound = "-"
         if rates and "ring" not in row["sent"]:  # each link class at its rate, in parallel (a flat ring's "ring"
-            rate_of = {"intra": rates[0], "inter": rates[1]}  # bytes mix both classes: no bound given)
-            bound = f"{max((n / (rate_of[link] * 1e6) for link, n in row['sent'].items()), default=0.0):.2f}"
+            bound = f"{_busiest_link_s(row['sent'], rates):.2f}"  # bytes mix both classes: no bound given)
         lines.append(f"| {ring} | {', '.join(map(str, row['rings']))} | {row['wall_s']:.2f} | {row['loss']:.6f} "
                      f"| {row['wall_s'] / base:.2f}x | {sent} | {bound} |")
     if rates and all("inter" in r[ring]["sent"] for r in per_rank for ring in rows):

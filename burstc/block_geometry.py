@@ -395,11 +395,19 @@ def intersect_runs(a: Runs, b: Runs) -> Runs:
     return tuple(found)
 
 
-def valid_key_rows(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> torch.Tensor:
-    """Bool ``[local_len]``: the rows of ``owner``'s shard that are a real key in some batch row (``key_valid_BS``
-    ``[B, S_global]``); a row that is padding in every batch row is a key no query sees."""
+def key_validity(layout, owner: int, local_len: int, world_size: int,
+                 key_valid_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``[local_len]`` twice: the rows of ``owner``'s shard that are a real key in some batch row
+    (``key_valid_BS`` ``[B, S_global]``; a row that is padding in every batch row is a key no query sees), and in
+    every batch row."""
     positions = local_positions(local_len * world_size, world_size, owner, layout, key_valid_BS.device)
-    return key_valid_BS[:, positions].any(0)
+    valid_BL = key_valid_BS[:, positions]
+    return valid_BL.any(0), valid_BL.all(0)
+
+
+def valid_key_rows(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> torch.Tensor:
+    """The first of :func:`key_validity`: the rows of ``owner``'s shard that are a real key in some batch row."""
+    return key_validity(layout, owner, local_len, world_size, key_valid_BS)[0]
 
 
 def valid_key_runs(layout, owner: int, local_len: int, world_size: int, key_valid_BS: torch.Tensor) -> Runs:
@@ -572,11 +580,10 @@ def data_blocks(layout, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: 
     if found and data_hides_pair(layout, mask, q_owner, kv_owner, local_len, world_size, doc_ids_BS, key_valid_BS):
         return ()
     if found and mask.term(KeyPadding) is not None:  # keys padded in every batch row don't travel: drop their blocks
-        kv_valid_L = valid_key_rows(layout, kv_owner, local_len, world_size, key_valid_BS)
+        kv_valid_L, kv_valid_everywhere_L = key_validity(layout, kv_owner, local_len, world_size, key_valid_BS)
         found = tuple(b for b in found if bool(kv_valid_L[b.kv_start:b.kv_stop].any()))
         if found and mask.term(Documents) is None:
-            positions = local_positions(local_len * world_size, world_size, kv_owner, layout, key_valid_BS.device)
-            found = split_blocks_at_key_padding(found, kv_valid_L, key_valid_BS[:, positions].all(0))
+            found = split_blocks_at_key_padding(found, kv_valid_L, kv_valid_everywhere_L)
     if found and mask.term(Documents) is not None:
         if packed_documents is None:
             packed_documents = documents_sorted(doc_ids_BS)

@@ -211,7 +211,7 @@ class CallRecorder:
         self.spans = _spans_on
         if not (self.enabled or self.spans):
             return
-        self.ring, self.tag = ring, "fwd" if op == "forward" else "bwd"
+        self.tag = "fwd" if op == "forward" else "bwd"
         self.computing: list[tuple[float, float]] = []  # (start, stop) of each compute step so far
         if not self.enabled:
             return
