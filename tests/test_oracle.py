@@ -39,3 +39,40 @@ def test_the_fp64_truth_forgives_only_gradients_at_least_as_close_to_it_as_eager
         assert forgiven_by_truth({"grad:w": 1.0}, result) == kept
     assert forgiven_by_truth({"grad:w": 1.0}, {}) == {"grad:w": 1.0}  # no truth: the fp32 verdict stands
     assert errors_vs_truth({"w": torch.tensor([float("nan"), 0.0])}, true_grads)["w"] == float("inf")
+
+
+def test_a_nonfinite_fp64_truth_falls_back_to_the_given_lower_precision_only_when_that_is_finite():
+    """HF's eager attention adds a finfo(dtype).min mask and softmaxes in fp32: in fp64 a query row that sees no key
+    becomes all -inf after the cast, so the fp64 step is NaN where fp32 and bf16 are finite (fuzz case 2030/782).
+    A bf16 case then takes the fp32 step as its truth; an fp32 case (no fallback) keeps the NaN truth, and a
+    fallback that is not finite either is not taken."""
+    from burstc.testing.oracle import fp64_truth
+
+    class MinMaskSoftmaxInFp32(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0]))
+
+        def forward(self):
+            masked = self.w + torch.finfo(self.w.dtype).min  # every key hidden, like a padded row under a window
+            return (torch.softmax(masked.to(torch.float32), dim=-1).to(self.w.dtype) * self.w).sum()
+
+    def step(twin):
+        loss = twin()
+        loss.backward()
+        return loss.detach(), {"w": twin.w.grad.detach().clone()}
+
+    model = MinMaskSoftmaxInFp32()
+    nan_truth = fp64_truth(model, step)
+    assert nan_truth[0].isnan() and nan_truth[1]["w"].dtype == torch.float64
+    loss, grads = fp64_truth(model, step, fallback=torch.float32)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(grads["w"]).all()
+    assert torch.allclose(loss, step(MinMaskSoftmaxInFp32())[0])  # the fp32 step itself
+    assert model.w.grad is None and model.w.dtype == torch.float32  # copies only
+
+    class AlwaysNan(MinMaskSoftmaxInFp32):
+        def forward(self):
+            return super().forward() * float("nan")
+
+    still_nan = fp64_truth(AlwaysNan(), step, fallback=torch.float32)
+    assert still_nan[0].dtype == torch.float64 and still_nan[0].isnan()

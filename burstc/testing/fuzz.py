@@ -12,7 +12,8 @@ or is refused with a code and still matches.  Beside eager, metamorphic checks:
 
 Gradients are compared with the oracle's ``SHARDED_GRAD_FLOOR`` on every P (one device included): a gradient that
 is zero in exact arithmetic (a key bias; q/k with one visible key) is rounding noise on both sides.  A gradient
-still off after that is measured against the same step in fp64 (the truth): it is right when it is within
+still off after that is measured against the same step in fp64 (the truth; for a bf16 case whose fp64 step is not
+finite, the fp32 step): it is right when it is within
 ``TRUTH_FACTOR`` x eager's own distance to the truth, or within ``TRUTH_ULPS`` ulps of the largest true gradient,
 in the case's precision (``burstc.testing.oracle.truth_allows``).  Cases run in fp32, with bf16 weights, or under bf16
 autocast (``Case.precision``; the bf16 rows of the tolerance table).  A mismatch
@@ -373,8 +374,10 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     torch._dynamo.reset()
     model = build_model(case.model, case.seed)
     inputs = build_inputs(case.inputs, case.vocab)
-    # the same step on an fp64 copy (fp32 weights, no autocast): the truth of every precision
-    truth = fp64_truth(model, lambda twin: _training_step(twin, inputs))
+    # the same step on an fp64 copy (fp32 weights, no autocast): the truth of every precision; a bf16 case whose
+    # fp64 step is not finite (model code written for fp32 and lower) takes the fp32 step as its truth
+    truth = fp64_truth(model, lambda twin: _training_step(twin, inputs),
+                       fallback=torch.float32 if case.precision != "fp32" else None)
     if case.precision == "bf16":
         model = model.to(torch.bfloat16)
     autocast = case.precision == "autocast"

@@ -153,12 +153,33 @@ TRUTH_FACTOR = 4.0
 TRUTH_ULPS = 8
 
 
-def fp64_truth(model, step: Callable):
-    """``step(copy)`` -> ``(loss, grads)`` on an fp64 copy of ``model``, or None when the model can't run in fp64."""
+def fp64_truth(model, step: Callable, *, fallback: torch.dtype | None = None):
+    """``step(copy)`` -> ``(loss, grads)`` on an fp64 copy of ``model``, or None when the model can't run in fp64.
+
+    ``fallback`` (for cases run in a lower precision, e.g. fp32 for bf16 cases): when the fp64 step is not finite
+    but the same step on a ``fallback`` copy is, that step is the truth.  Some model code is only finite in the
+    precision it was written for: HF's eager attention adds a ``finfo(dtype).min`` mask and then runs its softmax
+    in fp32, so in fp64 a query row that sees no key (left padding under a sliding window) becomes all ``-inf``
+    after the cast and its output NaN — a NaN that none of the model's real precisions has.  fp32 is still ~2^16
+    finer than bf16, far below any bf16 tolerance."""
+    truth = _twin_step(model, step, torch.float64)
+    if fallback is not None and truth is not None and not _finite_step(*truth):
+        lower = _twin_step(model, step, fallback)
+        if lower is not None and _finite_step(*lower):
+            return lower
+    return truth
+
+
+def _finite_step(loss, grads: dict) -> bool:
+    return (loss is None or bool(torch.isfinite(loss).all())) and all(bool(torch.isfinite(g).all())
+                                                                      for g in grads.values())
+
+
+def _twin_step(model, step: Callable, dtype: torch.dtype):
     import copy
 
     try:
-        twin = copy.deepcopy(model).double()
+        twin = copy.deepcopy(model).to(dtype)
         if hasattr(twin, "set_experts_implementation") and getattr(getattr(twin, "config", None),
                                                                    "_experts_implementation", None) not in (None, "eager"):
             # HF's grouped_mm / batched_mm experts take no fp64: the eager loop over the experts computes the same
