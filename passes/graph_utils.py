@@ -39,6 +39,17 @@ def refresh_meta(gm: fx.GraphModule) -> None:
             node.meta["example_value"] = node.meta["val"]
 
 
+def propagate_meta(nodes, fake_mode) -> None:
+    """Example values for ``nodes`` only (new nodes, in graph order, whose inputs already have theirs): what
+    :func:`refresh_meta` would give them, without re-running the whole graph (which costs ~0.6 s on a small
+    model's backward, every compile)."""
+    for node in nodes:
+        fargs = fx.node.map_aggregate(node.args, lambda a: val(a) if isinstance(a, fx.Node) else a)
+        fkwargs = fx.node.map_aggregate(node.kwargs, lambda a: val(a) if isinstance(a, fx.Node) else a)
+        with fake_mode:
+            node.meta["val"] = node.meta["example_value"] = node.target(*fargs, **fkwargs)
+
+
 def set_meta(node: fx.Node, fn, args, kwargs, fake_mode):
     """Run ``fn`` on the inputs' fake values so that ``node`` gets a consistent ``example_value``."""
     if fake_mode is None:

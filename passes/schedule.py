@@ -28,7 +28,7 @@ import math
 import torch
 import torch.fx as fx
 
-from burstc.passes.graph_utils import refresh_meta, val
+from burstc.passes.graph_utils import fake_mode_of, propagate_meta, val
 
 _FUNCOL = torch.ops._c10d_functional
 KIND = "schedule"
@@ -82,6 +82,7 @@ def schedule(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         context.note = "no gradient all-reduces in this graph"
         return gm
     order = {node: i for i, node in enumerate(graph.nodes)}
+    created: set[fx.Node] = set()
     total = sum(_nbytes(r.args[0]) for r, _ in pairs)
     buckets = _buckets(pairs, config.grad_bucket_bytes)
     for bucket in buckets:
@@ -95,6 +96,7 @@ def schedule(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             nonlocal anchor
             with graph.inserting_after(anchor):
                 anchor = graph.call_function(target, args)
+            created.add(anchor)
             return anchor
 
         flat = grads[0]
@@ -104,6 +106,7 @@ def schedule(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         reduced = add(_FUNCOL.all_reduce.default, (flat, "sum", group))
         with graph.inserting_before(first_use):
             waited = graph.call_function(_FUNCOL.wait_tensor.default, (reduced,))
+            created.add(waited)
             offset = 0
             for (reduce_node, waits), grad in zip(bucket, grads):
                 if len(bucket) == 1:
@@ -112,6 +115,7 @@ def schedule(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                     numel = math.prod(val(grad).shape)
                     piece = graph.call_function(torch.ops.aten.slice.Tensor, (waited, 0, offset, offset + numel))
                     replacement = graph.call_function(torch.ops.aten.view.default, (piece, list(val(grad).shape)))
+                    created.update((piece, replacement))
                     offset += numel
                 waits[-1].replace_all_uses_with(replacement)
         for reduce_node, waits in bucket:
@@ -119,7 +123,9 @@ def schedule(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 graph.erase_node(wait)
             graph.erase_node(reduce_node)
     graph.lint()
-    refresh_meta(gm)
+    # the new nodes' example values (Inductor and the later passes read them); the old nodes' are unchanged
+    propagate_meta([node for node in graph.nodes if node in created], fake_mode_of(gm))
+    gm.recompile()
     context.rewrite(KIND, "graph", {
         "gradient_all_reduces": len(pairs), "buckets": len(buckets), "bucket_cap_bytes": config.grad_bucket_bytes,
         "gradient_bytes": total,
