@@ -1,12 +1,18 @@
 """Attention block kernels for the ring: one block of queries against one block of keys/values.
 
-Two implementations side by side, with the same contract (the dispatch point for device kernels,
-e.g. a later Triton kernel):
+Three implementations with one contract, chosen per block by :func:`block_kernel`:
 
-* the CPU flash kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward),
-  used on CPU;
-* plain-torch reference kernels (chunked over query rows, fp32 math), used on every other device,
-  and everywhere inside :func:`reference_block_kernels`.
+* ``cpu_flash``: the CPU flash kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+  backward), on CPU;
+* ``flash`` / ``efficient``: torch's fused CUDA kernels that return the LSE, as torch's own context
+  parallelism drives them (``aten._scaled_dot_product_flash_attention`` for bf16/fp16 with head dims
+  that are multiples of 8 up to 256 and square causal blocks; else the memory-efficient kernel,
+  ``aten._scaled_dot_product_efficient_attention``, which takes fp32, unequal value widths and top-left
+  causal blocks of any shape).  Neither takes grouped K/V heads: those are repeated for the block
+  (a local copy of the block's K/V, never sent) and their gradients summed back;
+* ``reference``: plain-torch kernels (chunked over query rows, fp32 math), for every other case
+  (fp64, other devices, head dims the fused kernels refuse) and everywhere inside
+  :func:`reference_block_kernels`.
 
 A block is full or top-left causal (``causal``); Hkv may divide Hq (query head h uses kv head
 h // (Hq / Hkv), as ``enable_gqa`` does).  LSE convention: see :mod:`burstc.ops.lse_merge`.
@@ -37,15 +43,95 @@ def reference_block_kernels() -> Iterator[None]:
         _force_reference_kernels = previous
 
 
-def _use_cpu_flash(q: Tensor) -> bool:
-    return q.device.type == "cpu" and not _force_reference_kernels
+# device types whose blocks run torch's fused kernels (tests add "meta", to check the calls against torch's
+# shape functions, or "cpu" with the ops emulated, to check the glue's numbers)
+FUSED_KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the memory-efficient kernel's LSE rows come padded to a multiple of this (its backward reads them so)
+_EFFICIENT_LSE_ROWS = 32
+
+
+def block_kernel(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, causal: bool) -> str:
+    """Which kernel computes this block: ``"cpu_flash"``, ``"flash"``, ``"efficient"`` or ``"reference"``."""
+    if _force_reference_kernels:
+        return "reference"
+    if q_BHSD.device.type in FUSED_KERNEL_DEVICES:
+        head_dim, value_dim = q_BHSD.shape[-1], v_BHSD.shape[-1]
+        if q_BHSD.dtype not in _FUSED_DTYPES:
+            return "reference"
+        square = q_BHSD.shape[2] == k_BHSD.shape[2]
+        if (q_BHSD.dtype != torch.float32 and head_dim == value_dim and head_dim % 8 == 0 and head_dim <= 256
+                and (square or not causal)):
+            # the flash kernel's causal mask is bottom-right on a non-square block: only square ones take it
+            return "flash"
+        alignment = 4 if q_BHSD.dtype == torch.float32 else 8
+        if head_dim % alignment == 0 and value_dim % alignment == 0:
+            return "efficient"
+        return "reference"
+    if q_BHSD.device.type == "cpu":
+        return "cpu_flash"
+    return "reference"
+
+
+def _repeated_kv(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor) -> tuple[Tensor, Tensor, int]:
+    groups = q_BHSD.shape[1] // k_BHSD.shape[1]
+    return _repeat_kv_heads(k_BHSD, groups), _repeat_kv_heads(v_BHSD, groups), groups
+
+
+def _sum_kv_heads(grad_BHSD: Tensor, groups: int) -> Tensor:
+    if groups == 1:
+        return grad_BHSD
+    batch, heads, rows, dim = grad_BHSD.shape
+    return grad_BHSD.view(batch, heads // groups, groups, rows, dim).sum(2)
+
+
+def _fused_forward(kernel: str, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, causal: bool, scale: float
+                   ) -> tuple[Tensor, Tensor]:
+    k_rep, v_rep, _ = _repeated_kv(q_BHSD, k_BHSD, v_BHSD)
+    if kernel == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q_BHSD, k_rep, v_rep, 0.0, causal, False,
+                                                            scale=scale)[:2]
+    else:
+        out, lse = aten._scaled_dot_product_efficient_attention(q_BHSD, k_rep, v_rep, None, True, 0.0, causal,
+                                                                scale=scale)[:2]
+    # both LSEs are the natural log of the scaled scores' exp-sum in fp32 (burstc's convention); the
+    # efficient kernel pads its rows
+    return out, lse[:, :, :q_BHSD.shape[2]].to(ACC_DTYPE).contiguous()
+
+
+def _fused_backward(kernel: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
+                    out_BHSD: Tensor, lse_BHS: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    k_rep, v_rep, groups = _repeated_kv(q_BHSD, k_BHSD, v_BHSD)
+    # the kernels take one dtype for q, k, v, out and grad_out; delta = rowsum(out * grad_out) is all they
+    # read of out (a stand-in is rounded like any output, as on CPU)
+    grad_out_BHSD, out_BHSD = grad_out_BHSD.to(q_BHSD.dtype), out_BHSD.to(q_BHSD.dtype)
+    rows, kv_rows, device = q_BHSD.shape[2], k_BHSD.shape[2], q_BHSD.device
+    lse_BHS = lse_BHS.to(ACC_DTYPE)
+    if kernel == "flash":
+        # dropout 0: the RNG state is not read
+        rng_state, unused = torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64,
+                                                                                            device=device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            grad_out_BHSD, q_BHSD, k_rep, v_rep, out_BHSD, lse_BHS.contiguous(), None, None, rows, kv_rows, 0.0,
+            causal, rng_state, unused, scale=scale)
+    else:
+        padded = -(-rows // _EFFICIENT_LSE_ROWS) * _EFFICIENT_LSE_ROWS
+        lse_padded = torch.nn.functional.pad(lse_BHS, (0, padded - rows)).contiguous()
+        seed, offset = (torch.empty((), dtype=torch.int64, device=device) for _ in range(2))
+        dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out_BHSD, q_BHSD, k_rep, v_rep, None, out_BHSD, lse_padded, seed, offset, 0.0,
+            [True, True, True, False], causal, scale=scale)[:3]
+    return dq, _sum_kv_heads(dk, groups), _sum_kv_heads(dv, groups)
 
 
 def block_attention_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, causal: bool, scale: float
                             ) -> tuple[Tensor, Tensor]:
     """Attention of one block: ``(out, lse_BHS fp32 contiguous)``, out in q.dtype or fp32 (see
     below; the caller merges in fp32 either way).  Hkv may divide Hq; ``causal`` is top-left."""
-    if _use_cpu_flash(q_BHSD):
+    kernel = block_kernel(q_BHSD, k_BHSD, v_BHSD, causal)
+    if kernel in ("flash", "efficient"):
+        return _fused_forward(kernel, q_BHSD, k_BHSD, v_BHSD, causal, scale)
+    if kernel == "cpu_flash":
         # The CPU flash forward runs as fast in fp32 as in bf16 (measured, 8K x 4K blocks), so
         # low-precision blocks are computed in fp32: the merge then sees unrounded block outputs.
         # (Its backward is ~25% faster in bf16, so the backward keeps the input dtype.)
@@ -64,13 +150,16 @@ def block_attention_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
 
     ``lse_BHS`` and ``delta_BHS = rowsum(out * grad_out)`` (fp32) are those of the full attention
     row, so per-block results add up to the exact gradients.  Pass ``out_BHSD`` (the global output
-    rows) or ``delta_BHS``, or both (then they must agree).  On CPU the flash kernel runs (with a
-    stand-in output when only delta is given); the plain-torch kernel otherwise, and on CPU when
-    no stand-in exists (see :func:`burstc.ops.lse_merge.stand_in_output`).
+    rows) or ``delta_BHS``, or both (then they must agree).  The CPU flash and the fused CUDA kernels
+    run with a stand-in output when only delta is given; the plain-torch kernel when no stand-in
+    exists (see :func:`burstc.ops.lse_merge.stand_in_output`) and where :func:`block_kernel` says so.
     """
-    if _use_cpu_flash(q_BHSD):
+    kernel = block_kernel(q_BHSD, k_BHSD, v_BHSD, causal)
+    if kernel != "reference":
         if out_BHSD is None:
             out_BHSD = stand_in_output(grad_out_BHSD, delta_BHS)
+        if out_BHSD is not None and kernel != "cpu_flash":
+            return _fused_backward(kernel, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale)
         if out_BHSD is not None:
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, 0.0, causal, scale=scale)
