@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Test selections (pytest arguments), lean on purpose: the killing test is usually single-process or 2 ranks.
 PIECES = ["tests/test_ring_pieces.py"]
+FUSED_BLOCKS = ["tests/test_fused_block_kernels.py"]
 HEAD_GROUPS = ["tests/test_head_groups.py"]
 MERGE_UNIT = ["tests/test_ring_attention.py", "-k", "merge or stand_in or reference_kernels or cpu_flash"]
 RING_P2 = ["tests/test_ring_attention.py", "-k", "causal_gqa and 2-"]
@@ -188,6 +189,19 @@ MUTANTS = [
        "q0 = min(k0 + 1, rows) if block.mask == CAUSAL else 0",
        "a causal block's padded-key piece starts a row late: the diagonal entry of its first key is lost",
        RUNTIME_UNIT, RUNTIME_RING),
+    # --- the CUDA block kernels (glue to torch's fused kernels; emulated on CPU) ---------------------------
+    _m("fused_flash_for_non_square_causal", "kernels/attention_blocks.py",
+       "                and (square or not causal)):",
+       "                ):",
+       "a non-square causal block sent to the flash kernel, whose causal mask is bottom-right there", FUSED_BLOCKS),
+    _m("fused_efficient_lse_padding_kept", "kernels/attention_blocks.py",
+       "    return out, lse[:, :, :q_BHSD.shape[2]].to(ACC_DTYPE).contiguous()",
+       "    return out, lse.to(ACC_DTYPE).contiguous()",
+       "the memory-efficient kernel's LSE padded to 32 rows passed on as the block's statistics", FUSED_BLOCKS),
+    _m("fused_gqa_grads_of_one_head", "kernels/attention_blocks.py",
+       "    return dq, _sum_kv_heads(dk, groups), _sum_kv_heads(dv, groups)",
+       "    return dq, dk[:, ::groups], dv[:, ::groups]",
+       "GQA: the K/V gradient of one query head per group instead of the group's sum", FUSED_BLOCKS),
     # --- layouts and sequence ops -------------------------------------------------------------------------
     _m("zigzag_tail_chunk", "burstc/layout.py",
        "tail_chunk = 2 * world_size - 1 - rank",
