@@ -127,6 +127,33 @@ def _token_slice_ok(index, ndim: int) -> bool:
     return len(items) < ndim or _full_slice(items[-1])
 
 
+def _slice_as_ignored_targets(match: LMHeadLossMatch, hidden_val) -> tuple[int, int, int] | None:
+    """``(dim, before, after)`` when the logits' one token slice keeps a contiguous run of one token dim (HF 4.x's
+    ``logits[..., :-1, :]`` next-token shift: dim 1, 0 before, 1 after) and the loss is a mean or a sum: then the
+    same loss is the unsliced hidden states' with their targets padded by ``ignore_index`` where the slice cut
+    (an ignored token adds nothing to the sum nor to the mean's count, label smoothing included), and the
+    sequence stays whole for the shard pass, which can't split a slice of it.  None otherwise."""
+    if match.reduction not in ("mean", "sum") or len(match.token_slices) != 1:
+        return None
+    shape = tuple(hidden_val.shape)
+    if not all(isinstance(size, int) for size in shape):
+        return None  # symbolic lengths: keep the slice
+    index = match.token_slices[0]
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + [slice(None)] * (len(shape) - len(items) + 1) + items[at + 1:]
+    items += [slice(None)] * (len(shape) - len(items))
+    cut = [(dim, item) for dim, item in enumerate(items) if not _full_slice(item)]
+    if len(cut) != 1 or not isinstance(cut[0][1], slice):
+        return None
+    dim, item = cut[0]
+    start, stop, step = item.indices(shape[dim])
+    if step != 1 or dim >= len(shape) - 1 or stop <= start:
+        return None
+    return dim, start, shape[dim] - stop
+
+
 def _softcap_of(node: fx.Node):
     """``c * tanh(x / c)`` ending at ``node`` -> (c, x, [tanh, div] nodes), else None."""
     if not (_is_function(node, operator.mul) and len(node.args) == 2):
@@ -418,21 +445,30 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         num_tokens = _val(match.target).numel()
         chunk = config.lm_head_chunk_size or default_chunk_size(num_tokens, vocab, hidden_size, hidden_val.dtype)
 
+        shift = _slice_as_ignored_targets(match, hidden_val)
         with graph.inserting_before(match.loss_node):
             hidden = match.hidden
-            for index in reversed(match.token_slices):  # innermost slice was appended last
+            for index in ([] if shift else reversed(match.token_slices)):  # innermost slice was appended last
                 sliced = graph.call_function(operator.getitem, (hidden, index))
                 _set_meta(sliced, operator.getitem, (hidden, index), {}, fake_mode)
                 hidden = sliced
             # the targets in the hidden states' token shape ([B, S] for [B, S, H]), so that a row of
             # one is a token of the other whatever the leading dims (and the shard pass can split both)
             lead_shape = shape_args(graph, hidden, range(_val(hidden).dim() - 1), fake_mode)
+            if shift:  # the targets of the sliced tokens, then ignore_index where the slice cut
+                dim, before, after = shift
+                lead_shape = tuple(size - (before + after) if d == dim else size for d, size in enumerate(lead_shape))
             # CE's per-token losses have the target's shape (sizes taken here: inserting_after reverses order)
             loss_shape = None
             if match.reduction == "none":
                 loss_shape = shape_args(graph, match.target, range(_val(match.target).dim()), fake_mode)
             target = graph.call_method("reshape", (match.target, lead_shape))
             _set_meta(target, torch.reshape, (match.target, lead_shape), {}, fake_mode)
+            if shift:
+                pad = [0, 0] * (len(lead_shape) - 1 - dim) + [before, after]
+                padded = graph.call_function(F.pad, (target, pad), {"value": match.ignore_index})
+                _set_meta(padded, F.pad, (target, pad), {"value": match.ignore_index}, fake_mode)
+                target = padded
             kwargs = dict(bias=match.bias, ignore_index=match.ignore_index, reduction=match.reduction,
                           label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)
             if match.logit_scale is not None:
@@ -465,6 +501,8 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             "reduction": match.reduction, "ignore_index": match.ignore_index,
             "label_smoothing": match.label_smoothing, "softcap": match.softcap, "logit_scale": match.logit_scale,
             "bias": match.bias is not None, "chunk_size": chunk, "logits": logits_note,
+            "sliced_tokens": (f"dim {shift[0]}: {shift[1]} before, {shift[2]} after, as ignored targets"
+                              if shift else None),
             "predicted_peak_bytes": _predicted_bytes(num_tokens, vocab, hidden_size, hidden_val.dtype, chunk),
         }, module=module_path(match.linear_node))
     if drop_from_outputs:

@@ -1,6 +1,8 @@
 """The LM-head + cross-entropy fusion pass: what it rewrites, what it refuses, and that the
 rewritten graph computes the same loss and gradients as eager."""
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 import burstc
 from burstc.passes.fuse_lm_head_loss import CODES
 from burstc.guards import DROPPED_LOGITS
+from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.testing import assert_same_training_step
 
 V, H = 53, 12
@@ -405,3 +408,39 @@ def test_all_ignored_mean_is_nan_like_eager():
     cmodel = burstc.compile(model, backend="aot_eager")
     loss = cmodel(ids, labels)
     assert torch.isnan(loss) and torch.isnan(model(ids, labels))
+
+
+def _front_shifted(m, h, y):  # the mirror image: position t predicts label t - 1
+    logits = m.lm_head(h)
+    return F.cross_entropy(logits[:, 1:].reshape(-1, V), y[:, :-1].reshape(-1), reduction="sum")
+
+
+def _shifted_none(m, h, y):
+    logits = m.lm_head(h)
+    return F.cross_entropy(logits[..., :-1, :].reshape(-1, V), y[..., 1:].reshape(-1), reduction="none").sum()
+
+
+@pytest.mark.parametrize("loss_fn, sliced", [
+    (old_hf_shifted_logits, "dim 1: 0 before, 1 after, as ignored targets"),
+    (_front_shifted, "dim 1: 1 before, 0 after, as ignored targets"),
+    (_shifted_none, None),  # per-token losses have the sliced shape: the slice stays on the hidden states
+])
+def test_shifted_logits_become_ignored_targets_on_the_whole_sequence(loss_fn, sliced):
+    """HF 4.x's ``logits[..., :-1, :]`` against ``labels[..., 1:]``: the hidden states stay whole (the shard pass
+    can't split a slice of the sequence) and the cut positions get ``ignore_index`` targets, the same mean or sum;
+    with reduction='none' the slice stays."""
+    torch.manual_seed(0)
+    model = Head(loss_fn)
+    ids, labels = torch.randint(0, V, (3, 7)), _labels((3, 7))
+    cmodel = burstc.compile(model, backend="aot_eager")
+    assert_same_training_step(model, lambda m: m(ids, labels), lambda: cmodel(ids, labels))
+    record = burstc.report(cmodel).rewrites_of("lm_head_loss")[0]
+    assert record.sliced_tokens == sliced
+    nodes = list(burstc.report(cmodel).graphs["rewritten"].graph.nodes)
+    pads = [n for n in nodes if n.target is F.pad]
+    hidden_slices = [n for n in nodes if n.op == "call_function" and n.target is operator.getitem
+                     and any(u.target is linear_cross_entropy for u in n.users)]
+    if sliced:
+        assert len(pads) == 1 and pads[0].kwargs["value"] == -100 and not hidden_slices
+    else:
+        assert not pads and len(hidden_slices) == 1

@@ -1,5 +1,7 @@
 """burstc.compile(model, mesh) on P gloo ranks: every rank gets the single-device eager loss and
 parameter gradients (burstc.testing.assert_equivalent), for unmodified models."""
+import functools
+
 import pytest
 import torch
 
@@ -284,6 +286,19 @@ def test_evaluation_keeps_logits_on_the_mesh(workers):
 
 def _shard_rewrites(results):
     return [kind for kind, _ in results[0]["rewrites"]]
+
+
+@pytest.mark.parametrize("world_size, layout, reduction, smoothing", [
+    (2, "zigzag", "mean", 0.0), (3, "contiguous", "sum", 0.0), (4, "striped", "mean", 0.1)])
+def test_next_token_shift_inside_the_model_is_sharded(workers, world_size, layout, reduction, smoothing):
+    """``logits[..., :-1, :]`` against ``labels[..., 1:]`` in the model (HF 4.x, much training code): sharded, not
+    refused for slicing the sequence; the last position's target is ignore_index on whichever rank holds it."""
+    results = assert_equivalent(functools.partial(zoo.nanogpt_next_token, reduction, smoothing),
+                                zoo.next_token_inputs, zoo.next_token_loss, world_size=world_size,
+                                group=workers.get(world_size), backend="aot_eager", layout=layout)
+    kinds = _shard_rewrites(results)
+    assert kinds.count("shard") == 1 and kinds.count("lm_head_loss") == 1 and kinds.count("attention") == 2
+    assert "as ignored targets" in results[0]["report"]
 
 
 def test_unfused_cross_entropy_is_sharded(workers):

@@ -32,6 +32,9 @@ from burstc.testing.zoo.nanogpt import (  # noqa: F401
     nanogpt_manual,
     nanogpt_inputs,
     nanogpt_loss,
+    nanogpt_next_token,
+    next_token_inputs,
+    next_token_loss,
 )
 from burstc.testing.zoo.hf import (  # noqa: F401
     HF_ARCHITECTURES,

@@ -108,7 +108,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def trunk(self, idx):
         b, t = idx.size()
         pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
         tok_emb = self.transformer.wte(idx)
@@ -116,7 +116,10 @@ class GPT(nn.Module):
         x = self.transformer.drop(tok_emb + pos_emb)
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None):
+        x = self.trunk(idx)
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
@@ -124,6 +127,22 @@ class GPT(nn.Module):
             logits = self.lm_head(x[:, [-1], :])
             loss = None
         return logits, loss
+
+
+class NextTokenGPT(GPT):
+    """The loss as HF transformers 4.x and much training code write it: the logits of every position but the
+    last against the labels shifted by one, inside the model (``labels`` may be the input ids themselves)."""
+
+    def __init__(self, config: GPTConfig, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__(config)
+        self.reduction, self.label_smoothing = reduction, label_smoothing
+
+    def forward(self, idx, labels):
+        logits = self.lm_head(self.trunk(idx))
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        return F.cross_entropy(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1),
+                               reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
 # builders for multi-rank tests (module level: they are pickled to workers); each seeds itself
@@ -147,3 +166,21 @@ def nanogpt_inputs():
 
 def nanogpt_loss(model, inputs):
     return model(*inputs)[1]
+
+
+def nanogpt_next_token(reduction: str = "mean", label_smoothing: float = 0.0):
+    torch.manual_seed(0)
+    return NextTokenGPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, attention="sdpa"), reduction,
+                        label_smoothing)
+
+
+def next_token_inputs(batch: int = 2, seq: int = 32):
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, 5:9] = -100  # some ignored (e.g. prompt tokens)
+    return ids, labels
+
+
+def next_token_loss(model, inputs):
+    return model(*inputs)
