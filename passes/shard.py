@@ -258,7 +258,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
         }, module=module_path(node))
 
     for node in plan.losses:
-        if is_function(node, F.cross_entropy):
+        if is_function(node, F.cross_entropy, F.nll_loss):
             _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S, plan.merged_rows[node],
                                  analyzer.s, owners)
             continue
@@ -359,9 +359,11 @@ def _along_merged_rows(graph: fx.Graph, x: fx.Node, where: MergedRows, length: i
 
 
 def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout: str, padded_len: int,
-                         seq_len: int, rows: int, local_len: int, owners: tuple = ()) -> None:
-    """``cross_entropy(logits_local, targets)`` -> per-token losses of the local rows (this rank's targets,
-    padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call asked.
+                         seq_len: int, rows, local_len: int, owners: tuple = ()) -> None:
+    """``cross_entropy(logits_local, targets)`` (or ``nll_loss``) -> per-token losses of the local rows (this
+    rank's targets, padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call
+    asked.  ``rows``: the batch rows merged into the token dim of ``[tokens, classes]`` logits, or
+    ``"classes_in_dim_1"`` for CE's ``[B, classes, S]`` layout with ``[B, S]`` targets.
 
     Exact: the per-token losses are those of one device; the gather's backward hands each rank the
     gradient of its own rows, and the parameter-gradient all-reduce sums the ranks' contributions.
@@ -372,20 +374,25 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     target = kw["target"]
     ignore_index = kw.get("ignore_index", -100)
     reduction = kw.get("reduction", "mean")
+    sequence_layout = rows == "classes_in_dim_1"
+    per_token_kwargs = {"ignore_index": ignore_index, "reduction": "none"}
+    if node.target is F.cross_entropy:
+        per_token_kwargs["label_smoothing"] = kw.get("label_smoothing", 0.0)
     with graph.inserting_before(node):
-        # [rows * S] targets -> [rows, S] -> this rank's [rows, s] -> [rows * s], the logits' local row order
-        target_rows = graph.call_method("view", (target, (rows, seq_len)))
+        # [rows * S] targets -> [rows, S] -> this rank's [rows, s] (-> [rows * s], the logits' local row order)
+        target_rows = target if sequence_layout else graph.call_method("view", (target, (rows, seq_len)))
         target_local = graph.call_function(torch.ops.burstc.shard_seq.default,
                                            (target_rows, 1, group_name, layout, padded_len, float(ignore_index),
                                             *owners))
-        target_local = graph.call_method("reshape", (target_local, (-1,)))
-        per_token_local = graph.call_function(F.cross_entropy, (kw["input"], target_local), {
-            "ignore_index": ignore_index, "reduction": "none",
-            "label_smoothing": kw.get("label_smoothing", 0.0)})
-        per_token_rows = graph.call_method("view", (per_token_local, (rows, local_len)))
+        if not sequence_layout:
+            target_local = graph.call_method("reshape", (target_local, (-1,)))
+        per_token_local = graph.call_function(node.target, (kw["input"], target_local), per_token_kwargs)
+        per_token_rows = per_token_local if sequence_layout else \
+            graph.call_method("view", (per_token_local, (rows, local_len)))
         per_token = graph.call_function(torch.ops.burstc.gather_seq.default,
                                         (per_token_rows, 1, group_name, layout, seq_len, *owners))
-        per_token = graph.call_method("reshape", (per_token, (-1,)))
+        if not sequence_layout:
+            per_token = graph.call_method("reshape", (per_token, (-1,)))
         if reduction == "none":
             loss = per_token
         else:

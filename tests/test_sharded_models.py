@@ -301,6 +301,19 @@ def test_next_token_shift_inside_the_model_is_sharded(workers, world_size, layou
     assert "as ignored targets" in results[0]["report"]
 
 
+@pytest.mark.parametrize("style, reduction, world_size", [
+    ("nll", "mean", 2), ("classes_in_dim_1", "none", 3), ("classes_in_dim_1", "mean", 2)])
+def test_unfused_nll_and_sequence_layout_losses_are_sharded(workers, style, reduction, world_size):
+    """Left unfused (here: the fusion off; in models, e.g. logits divided by a constant whose reciprocal is
+    inexact), ``nll_loss(log_softmax(logits))`` on flattened tokens and cross-entropy on CE's ``[B, V, S]`` layout
+    shard like ``cross_entropy`` on ``[tokens, V]``: per-token losses of the local rows, gathered, reduced."""
+    results = assert_equivalent(functools.partial(zoo.nanogpt_loss_style, style, reduction), zoo.nanogpt_inputs,
+                                zoo.loss_style_loss, world_size=world_size, group=workers.get(world_size),
+                                backend="aot_eager", disable_passes=("fuse_lm_head_loss",))
+    kinds = _shard_rewrites(results)
+    assert kinds.count("shard") == 1 and "lm_head_loss" not in kinds
+
+
 def test_unfused_cross_entropy_is_sharded(workers):
     # the LM-head fusion switched off: cross_entropy on this rank's logits rows, per-token losses
     # gathered, HF's mean over the non-ignored labels (B = 1: the sequence is the flattened token dim)

@@ -143,34 +143,43 @@ def fused_loss(analyzer, node):
     return REPLICATE  # the all-reduce inserted after it makes the loss replicated
 
 
-@rule("cross_entropy", on_functions(F.cross_entropy))
+@rule("cross_entropy", on_functions(F.cross_entropy, F.nll_loss))
 def cross_entropy(analyzer, node):
-    """``F.cross_entropy`` on sharded logits that the LM-head fusion left alone (e.g. logits scaled
-    between the head and the loss, or the fusion switched off): per-token losses on the local rows,
-    gathered, then the requested reduction on the full, replicated vector (see the pass's rewrite)."""
+    """``F.cross_entropy`` (or ``F.nll_loss`` of log-probabilities) on sharded logits that the LM-head fusion left
+    alone (e.g. logits scaled between the head and the loss, or the fusion switched off): per-token losses on the
+    local rows, gathered, then the requested reduction on the full, replicated vector (see the pass's rewrite).
+    The logits are ``[tokens, classes]`` with the tokens sharded (merged batch rows allowed), or CE's sequence
+    layout ``[B, classes, S]`` sharded along S with ``[B, S]`` targets."""
+    name = node.target.__name__
     kw = normalized_kwargs(node)
     if kw is None:
-        raise Refused(CODES.loss_arguments, "could not normalize the cross_entropy call on sharded logits", node)
+        raise Refused(CODES.loss_arguments, f"could not normalize the {name} call on sharded logits", node)
     logits, target = kw["input"], kw["target"]
     if kw.get("weight") is not None:
-        raise Refused(CODES.loss_arguments, "cross_entropy with class weights on sharded logits", node)
+        raise Refused(CODES.loss_arguments, f"{name} with class weights on sharded logits", node)
     if kw.get("size_average") is not None or kw.get("reduce") is not None:
-        raise Refused(CODES.loss_arguments, "cross_entropy with the legacy size_average/reduce arguments", node)
+        raise Refused(CODES.loss_arguments, f"{name} with the legacy size_average/reduce arguments", node)
     if kw.get("reduction", "mean") not in ("mean", "sum", "none"):
-        raise Refused(CODES.loss_arguments, f"cross_entropy reduction {kw.get('reduction')!r}", node)
+        raise Refused(CODES.loss_arguments, f"{name} reduction {kw.get('reduction')!r}", node)
     if not isinstance(kw.get("ignore_index", -100), int):
-        raise Refused(CODES.loss_arguments, "cross_entropy ignore_index is not a constant", node)
+        raise Refused(CODES.loss_arguments, f"{name} ignore_index is not a constant", node)
     logits_val, target_val = val(logits), val(target)
     placement = analyzer.place(logits)
+    if is_sharded(analyzer.place(target)):
+        raise Refused(CODES.loss_targets, f"{name} targets are already sharded", node)
+    if logits_val.dim() == 3 and placement == Shard(2):  # [B, classes, S]: the targets are [B, S]
+        if tuple(target_val.shape) != (logits_val.shape[0], analyzer.S) or target_val.dtype.is_floating_point:
+            raise Refused(CODES.loss_targets, f"{name} targets are not [B, S] class indices", node)
+        analyzer.plan.merged_rows[node] = "classes_in_dim_1"
+        analyzer.plan.losses.append(node)
+        return REPLICATE
     batch_rows = placement.outer if isinstance(placement, MergedRows) and placement.dim == 0 \
         and placement.inner == 1 else 1 if placement == Shard(0) else None
     if logits_val.dim() != 2 or batch_rows is None:
-        raise Refused(CODES.loss_arguments, "cross_entropy on sharded logits that are not [tokens, classes] with "
-                                            "the tokens sharded", node)
-    if is_sharded(analyzer.place(target)):
-        raise Refused(CODES.loss_targets, "cross_entropy targets are already sharded", node)
+        raise Refused(CODES.loss_arguments, f"{name} on sharded logits that are not [tokens, classes] with "
+                                            "the tokens sharded, nor [B, classes, S] sharded along S", node)
     if target_val.dim() != 1 or target_val.shape[0] != batch_rows * analyzer.S or target_val.dtype.is_floating_point:
-        raise Refused(CODES.loss_targets, "cross_entropy targets are not class indices, one per token of the batch",
+        raise Refused(CODES.loss_targets, f"{name} targets are not class indices, one per token of the batch",
                       node)
     analyzer.plan.merged_rows[node] = batch_rows
     analyzer.plan.losses.append(node)

@@ -35,6 +35,8 @@ from burstc.testing.zoo.nanogpt import (  # noqa: F401
     nanogpt_next_token,
     next_token_inputs,
     next_token_loss,
+    nanogpt_loss_style,
+    loss_style_loss,
 )
 from burstc.testing.zoo.hf import (  # noqa: F401
     HF_ARCHITECTURES,

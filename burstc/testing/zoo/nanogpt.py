@@ -145,6 +145,26 @@ class NextTokenGPT(GPT):
                                reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
+class LossStyleGPT(GPT):
+    """The loss spelled another way: ``"nll"``, ``nll_loss(log_softmax(logits))`` on flattened tokens;
+    ``"classes_in_dim_1"``, cross-entropy on CE's sequence layout ``logits.transpose(1, 2)`` with ``[B, S]``
+    targets (per-token losses ``[B, S]`` with ``reduction="none"``, summed here)."""
+
+    def __init__(self, config: GPTConfig, style: str, reduction: str):
+        super().__init__(config)
+        self.style, self.reduction = style, reduction
+
+    def forward(self, idx, targets):
+        logits = self.lm_head(self.trunk(idx))
+        if self.style == "nll":
+            log_probs = F.log_softmax(logits, dim=-1)
+            loss = F.nll_loss(log_probs.view(-1, log_probs.size(-1)), targets.view(-1), ignore_index=-1,
+                              reduction=self.reduction)
+        else:
+            loss = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-1, reduction=self.reduction)
+        return loss.sum() if self.reduction == "none" else loss
+
+
 # builders for multi-rank tests (module level: they are pickled to workers); each seeds itself
 
 def nanogpt_sdpa():
@@ -183,4 +203,13 @@ def next_token_inputs(batch: int = 2, seq: int = 32):
 
 
 def next_token_loss(model, inputs):
+    return model(*inputs)
+
+
+def nanogpt_loss_style(style: str, reduction: str = "mean"):
+    torch.manual_seed(0)
+    return LossStyleGPT(GPTConfig(block_size=64, vocab_size=97, n_layer=2, attention="sdpa"), style, reduction)
+
+
+def loss_style_loss(model, inputs):
     return model(*inputs)
