@@ -312,6 +312,14 @@ def _match_manual(gm, out_node):
                 return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
         elif is_function(node, operator.add) and mask is None and softcap is None and isinstance(node.args[1], fx.Node):
             mask = ("additive", node.args[1])
+            fill_node = node
+            node = node.args[0]
+            if scale != 1.0:
+                return None
+        elif is_function(node, operator.add) and mask is not None and mask[0] == "additive" and bias is None \
+                and softcap is None and isinstance(node.args[1], fx.Node):
+            # (scores + alibi) + mask: two additive terms, one additive mask (their sum) as SDPA would take it
+            bias = node.args[1]
             node = node.args[0]
             if scale != 1.0:
                 return None
@@ -440,7 +448,15 @@ def _manual_match(node, found, spec, refusal) -> AttentionMatch:
 def _with_bias_folded(gm, node, found, fake_mode) -> dict:
     """``(scores + bias).masked_fill(hidden, fill)`` -> the same attention with one additive mask,
     ``where(hidden, fill, bias)`` (a graph node before this attention's masked_fill), which the hidden entries
-    replace: ``replaced`` stays True (no gradient reaches the scores there)."""
+    replace: ``replaced`` stays True (no gradient reaches the scores there).  ``(scores + bias) + mask`` -> one
+    additive mask ``bias + mask`` (before the second add): where the mask is 0 the same sum, where it hides
+    (``-inf`` / ``finfo.min``) a value that absorbs the scores either way."""
+    if found["mask"][0] == "additive":
+        args = (found["bias"], found["mask"][1])
+        with gm.graph.inserting_before(found["fill_node"]):
+            combined = gm.graph.call_function(operator.add, args)
+        set_meta(combined, operator.add, args, {}, fake_mode)
+        return {**found, "mask": ("additive", combined), "bias": None}
     args = (found["mask"][1], float(found["fill"]), found["bias"])
     with gm.graph.inserting_before(found["fill_node"]):
         combined = gm.graph.call_function(torch.where, args)
@@ -463,7 +479,7 @@ def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> Attention
                                                "scores before the cap)")
         if refusal is not None:
             context.facts.attention[node] = _manual_match(node, found, None, refusal)
-            context.skip(KIND, node, f"manual attention with a {refusal.reason}", code=refusal.code)
+            context.skip(KIND, node, f"manual attention: {refusal.reason}", code=refusal.code)
             return None
     # a manual mask hides scores with a float (added, or filled in): a query row whose every key is hidden
     # (only key padding can do that: left padding) gets eager's uniform average over all keys (finfo.min) or

@@ -271,6 +271,24 @@ def test_alibi_bias_in_manual_attention(per_row_constant):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("fill", [MIN, float("-inf")], ids=["finfo_min", "neg_inf"])
+def test_alibi_and_a_mask_added_one_after_the_other(fill):
+    """``(scores + alibi) + mask``, two additive terms (found by the fuzzer: no attention was detected, so the
+    graph ran replicated): one additive mask, their sum, classified as causal with ALiBi."""
+    def attention(q, k, v):
+        i, j = _positions()
+        scores = (q @ k.transpose(-2, -1)) * 0.5
+        scores = scores + (torch.tensor(SLOPES)[:, None, None] * (j - i).float())[None]
+        scores = scores + torch.zeros(S, S).masked_fill(~window_mask(S), fill)
+        return F.softmax(scores, dim=-1) @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    match = _one_match(context)
+    assert match.refusal is None and match.node.target is SDPA and match.mask.terms == (Causal(),)
+    assert match.mask.term(Alibi).slopes == pytest.approx(SLOPES)
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("style", ["additive", "bias_then_masked_fill"])
 def test_alibi_added_after_a_soft_cap_is_refused(style):
     """c * tanh(s / c) + b is not ALiBi-then-cap (MaskSpec's order: c * tanh((s + b) / c)); found by the fuzzer
