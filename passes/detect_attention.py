@@ -316,16 +316,10 @@ def _match_manual(gm, out_node):
             node = node.args[0]
             if scale != 1.0:
                 return None
-        elif is_function(node, operator.add) and mask is not None and mask[0] == "additive" and bias is None \
-                and softcap is None and isinstance(node.args[1], fx.Node):
-            # (scores + alibi) + mask: two additive terms, one additive mask (their sum) as SDPA would take it
-            bias = node.args[1]
-            node = node.args[0]
-            if scale != 1.0:
-                return None
-        elif is_function(node, operator.add) and mask is not None and mask[0] == "filled" and bias is None \
-                and softcap is None and isinstance(node.args[1], fx.Node):
-            # MPT: (scores + alibi).masked_fill(hidden, finfo.min): a bias the fill then replaces where hidden
+        elif is_function(node, operator.add) and mask is not None and bias is None and softcap is None \
+                and isinstance(node.args[1], fx.Node):
+            # MPT: (scores + alibi).masked_fill(hidden, finfo.min), a bias the fill then replaces where hidden;
+            # or (scores + alibi) + mask, two additive terms: either way one additive mask (_with_bias_folded)
             bias = node.args[1]
             node = node.args[0]
             if scale != 1.0:
