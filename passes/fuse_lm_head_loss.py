@@ -17,7 +17,8 @@ transposed to ``[B, V, S]`` with ``[B, S]`` targets, is the same loss and is fus
 
 What may stand between the linear and the loss: ``float``/``to(float32)`` upcasts, ``contiguous``,
 reshapes that keep the vocab dim last (they only regroup tokens, so token order is preserved),
-token slicing (``logits[..., :-1, :]``, applied to the hidden states instead), a constant scale of
+token slicing (``logits[..., :-1, :]``: for a mean or a sum, the whole sequence with ``ignore_index`` targets where
+the slice cut, which the shard pass can split; else the slice applied to the hidden states), a constant scale of
 the linear's output (Cohere's ``logits * s``; Granite's ``logits / d`` when 1 / d is exact, a power of
 two, so that it is the same product) and a tanh soft-cap (``c * tanh(x / c)``).  Anything else, a loss option the fused op can't reproduce exactly (class
 weights, legacy ``size_average``/``reduce``), or a class dim other than the vocab: the candidate is
