@@ -117,6 +117,10 @@ class Device:
         return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _random(shape, dtype, device, generator, scale=1.0):
     return (torch.randn(shape, generator=generator, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
 
@@ -129,7 +133,7 @@ def _guarded(check, what: str, kernel: str, dtype, shape: str, run) -> dict:
     try:
         row = run()
     except Exception as exc:  # noqa: BLE001 - reported as this check's failure, the others still run
-        row = {"check": what, "kernel": kernel, "dtype": str(dtype).split(".")[-1], "shape": shape,
+        row = {"check": what, "kernel": kernel, "dtype": _dtype_name(dtype), "shape": shape,
                "errors": {"raised": math.nan}, "worst": math.nan, "bound": math.nan, "ok": False,
                "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     check.append(row)
@@ -166,7 +170,7 @@ def check_attention(dev: Device, shapes, dtypes, seed: int) -> list[dict]:
                                for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads)})
                 worst = max(errors.values(), key=lambda e: math.inf if e != e else e)
                 ok = all(e == e and e <= tol.rtol + tol.atol for e in errors.values())
-                return {"check": "attention block", "kernel": kernel, "dtype": str(dtype).split(".")[-1],
+                return {"check": "attention block", "kernel": kernel, "dtype": _dtype_name(dtype),
                         "shape": shape, "errors": errors, "worst": worst, "bound": tol.rtol + tol.atol, "ok": ok}
 
             _guarded(rows, "attention block", kernel, dtype, shape, run)
@@ -199,7 +203,7 @@ def check_loss(dev: Device, shapes, dtypes, seed: int) -> list[dict]:
                           "grad_hidden": max_relative_error(hidden.grad, h64.grad),
                           "grad_weight": max_relative_error(weight.grad, w64.grad)}
                 ok = errors["loss"] <= loss_tol and max(errors["grad_hidden"], errors["grad_weight"]) <= grad_tol
-                return {"check": "fused LM-head loss", "kernel": impl, "dtype": str(dtype).split(".")[-1],
+                return {"check": "fused LM-head loss", "kernel": impl, "dtype": _dtype_name(dtype),
                         "shape": shape, "errors": errors, "worst": max(errors.values()),
                         "bound": max(loss_tol, grad_tol), "ok": bool(ok)}
 
@@ -238,7 +242,7 @@ def time_attention(dev: Device, batch, heads, seq, head_dim, dtype, repeats) -> 
             out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale)
         out.backward(grad_out)
 
-    result = {"shape": f"B{batch} H{heads} S{seq} D{head_dim} causal", "dtype": str(dtype).split(".")[-1],
+    result = {"shape": f"B{batch} H{heads} S{seq} D{head_dim} causal", "dtype": _dtype_name(dtype),
               "kernel": block_kernel(q, k, v, True)}
     for name, fn in (("burstc block kernels", ring_block), ("torch SDPA (flash)", sdpa)):
         base = dev.reset_peak()
@@ -278,7 +282,7 @@ def time_loss(dev: Device, tokens, hidden_size, vocab, dtype, repeats) -> dict:
     flops = 6 * tokens * hidden_size * vocab  # logits forward, then d(hidden) and d(weight)
     element = torch.finfo(dtype).bits // 8
     traffic = 2 * (tokens + vocab) * hidden_size * element  # inputs read, their gradients written
-    result = {"shape": f"N{tokens} H{hidden_size} V{vocab}", "dtype": str(dtype).split(".")[-1]}
+    result = {"shape": f"N{tokens} H{hidden_size} V{vocab}", "dtype": _dtype_name(dtype)}
     for name, fn in _loss_implementations(dev).items():
         def step():
             hidden.grad = weight.grad = None
@@ -341,7 +345,7 @@ def train_step(dev: Device, config_kwargs: dict, seq_len: int, dtype, steps: int
                        kv_heads=config.num_key_value_heads, ffn=config.intermediate_size, vocab=config.vocab_size)
     flops = step_flops(shape, seq_len)
     report = burstc.report(compiled)
-    return {"model": f"HF Llama {params / 1e9:.2f}B", "tokens": seq_len, "dtype": str(dtype).split(".")[-1],
+    return {"model": f"HF Llama {params / 1e9:.2f}B", "tokens": seq_len, "dtype": _dtype_name(dtype),
             "first step (compile) s": compile_s, "step s": seconds, "tokens/s": seq_len / seconds,
             "TFLOP/s": flops / seconds / 1e12,
             "MFU": flops / seconds / 1e12 / peak_tflops if peak_tflops else None,

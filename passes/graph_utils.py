@@ -44,10 +44,9 @@ def propagate_meta(nodes, fake_mode) -> None:
     :func:`refresh_meta` would give them, without re-running the whole graph (which costs ~0.6 s on a small
     model's backward, every compile)."""
     for node in nodes:
-        fargs = fx.node.map_aggregate(node.args, lambda a: val(a) if isinstance(a, fx.Node) else a)
-        fkwargs = fx.node.map_aggregate(node.kwargs, lambda a: val(a) if isinstance(a, fx.Node) else a)
-        with fake_mode:
-            node.meta["val"] = node.meta["example_value"] = node.target(*fargs, **fkwargs)
+        set_meta(node, node.target, node.args, node.kwargs, fake_mode)
+        if "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
 
 
 def set_meta(node: fx.Node, fn, args, kwargs, fake_mode):

@@ -62,6 +62,7 @@ from burstc.testing.oracle import (
     errors_above,
     errors_vs_truth,
     forgiven_by_truth,
+    finite_step,
     fp64_truth,
     parameter_grads,
     tolerance,
@@ -362,10 +363,6 @@ def _global_grad_error(grads, ref_grads) -> float:
     return max(diffs, default=0.0) / scale
 
 
-def _nonfinite(loss, grads) -> bool:
-    return not bool(torch.isfinite(loss).all()) or any(not bool(torch.isfinite(g).all()) for g in grads.values())
-
-
 def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     """On every rank: eager on the full batch, then ``burstc.compile`` with each option set; the errors."""
     import burstc
@@ -432,7 +429,7 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     if truth is not None:
         truth_fields = {"eager_grad_errors_vs_truth": errors_vs_truth(ref_grads, truth[1]),
                         "truth_grad_scale": truth_scale(truth[1])}
-    return {"rank": rank, "ref_loss": float(ref_loss), "ref_nonfinite": _nonfinite(ref_loss, ref_grads),
+    return {"rank": rank, "ref_loss": float(ref_loss), "ref_nonfinite": not finite_step(ref_loss, ref_grads),
             "runs": runs, **truth_fields}
 
 

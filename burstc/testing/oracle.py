@@ -163,14 +163,15 @@ def fp64_truth(model, step: Callable, *, fallback: torch.dtype | None = None):
     after the cast and its output NaN — a NaN that none of the model's real precisions has.  fp32 is still ~2^16
     finer than bf16, far below any bf16 tolerance."""
     truth = _twin_step(model, step, torch.float64)
-    if fallback is not None and truth is not None and not _finite_step(*truth):
+    if fallback is not None and truth is not None and not finite_step(*truth):
         lower = _twin_step(model, step, fallback)
-        if lower is not None and _finite_step(*lower):
+        if lower is not None and finite_step(*lower):
             return lower
     return truth
 
 
-def _finite_step(loss, grads: dict) -> bool:
+def finite_step(loss, grads: dict) -> bool:
+    """Are the loss (None: not checked) and every gradient finite?"""
     return (loss is None or bool(torch.isfinite(loss).all())) and all(bool(torch.isfinite(g).all())
                                                                       for g in grads.values())
 
@@ -186,7 +187,7 @@ def _twin_step(model, step: Callable, dtype: torch.dtype):
             twin.set_experts_implementation("eager")
         twin.zero_grad(set_to_none=True)
         return step(twin)
-    except Exception:  # noqa: BLE001 - an op without fp64 support: no truth, the fp32 oracle alone decides
+    except Exception:  # noqa: BLE001 - an op without support for the twin's dtype: no truth from it
         return None
 
 
