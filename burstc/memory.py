@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import operator
 import re
 from typing import Iterator
@@ -410,6 +411,7 @@ def _rows_runs(queries_travel: bool, layout: str, mask, receiver: int, sender: i
     return runs_length(runs)
 
 
+@functools.lru_cache(maxsize=4096)  # every layer of a model asks the same (explain's 64 ranks x 32 layers)
 def _arrival_bytes(queries_travel: bool, layout, mask, rank: int, local_len: int, world_size: int, row_bytes: int):
     """The ring's arriving buffers on ``rank`` (:class:`burstc.ops.ring_loops._Arrivals`): per parity of the
     step, a compact buffer of the rows received plus, when they are not the whole shard, the whole-shard
@@ -424,6 +426,7 @@ def _arrival_bytes(queries_travel: bool, layout, mask, rank: int, local_len: int
     return sum(per_parity) + sent
 
 
+@functools.lru_cache(maxsize=4096)
 def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool | None):
     """(query rows, key rows) of the largest block ``rank`` computes after step 0 (both 0 on one rank)."""
     from burstc.block_geometry import blocks
