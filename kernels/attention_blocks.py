@@ -158,9 +158,10 @@ def block_attention_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
     if kernel != "reference":
         if out_BHSD is None:
             out_BHSD = stand_in_output(grad_out_BHSD, delta_BHS)
-        if out_BHSD is not None and kernel != "cpu_flash":
-            return _fused_backward(kernel, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal, scale)
         if out_BHSD is not None:
+            if kernel != "cpu_flash":
+                return _fused_backward(kernel, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal,
+                                       scale)
             return aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, 0.0, causal, scale=scale)
     if delta_BHS is None:

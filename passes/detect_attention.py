@@ -284,7 +284,8 @@ def _match_manual(gm, out_node):
     dtype = probs.kwargs.get("dtype", probs.args[2] if len(probs.args) > 2 else None)
     if dim not in (-1, 3) or len(probs.users) != 1 or dtype not in (None, torch.float32, torch.float64):
         return None  # a softmax in a narrower dtype than fp32 would not be what SDPA computes
-    scale, mask, softcap, fill, bias, fill_node = 1.0, None, None, None, None, None
+    # masking_node: the node that applies the mask to the scores (its masked_fill, or the add of an additive one)
+    scale, mask, softcap, fill, bias, masking_node = 1.0, None, None, None, None, None
     node = scores
     upcast = is_method(node, "to") and torch.float32 in (*node.args[1:], node.kwargs.get("dtype"))
     if upcast or is_method(node, "float"):
@@ -306,13 +307,13 @@ def _match_manual(gm, out_node):
             node = node.args[0]
         elif is_method(node, "masked_fill") and mask is None and softcap is None and _fill_value_masks(node):
             mask = ("filled", node.args[1])
-            fill, fill_node = const_number(node.args[2]), node
+            fill, masking_node = const_number(node.args[2]), node
             node = node.args[0]
             if scale != 1.0:
                 return None  # scores scaled after the mask (a bias would be scaled too): not SDPA's order
         elif is_function(node, operator.add) and mask is None and softcap is None and isinstance(node.args[1], fx.Node):
             mask = ("additive", node.args[1])
-            fill_node = node
+            masking_node = node
             node = node.args[0]
             if scale != 1.0:
                 return None
@@ -337,7 +338,7 @@ def _match_manual(gm, out_node):
     if sink is not None and (softcap is not None or val(sink).shape != (1, val(q).shape[1], 1, 1)):
         return None
     return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill, bias=bias,
-                fill_node=fill_node, sink=sink)
+                masking_node=masking_node, sink=sink)
 
 
 def _drops_the_sink(node):
@@ -447,12 +448,12 @@ def _with_bias_folded(gm, node, found, fake_mode) -> dict:
     (``-inf`` / ``finfo.min``) a value that absorbs the scores either way."""
     if found["mask"][0] == "additive":
         args = (found["bias"], found["mask"][1])
-        with gm.graph.inserting_before(found["fill_node"]):
+        with gm.graph.inserting_before(found["masking_node"]):
             combined = gm.graph.call_function(operator.add, args)
         set_meta(combined, operator.add, args, {}, fake_mode)
         return {**found, "mask": ("additive", combined), "bias": None}
     args = (found["mask"][1], float(found["fill"]), found["bias"])
-    with gm.graph.inserting_before(found["fill_node"]):
+    with gm.graph.inserting_before(found["masking_node"]):
         combined = gm.graph.call_function(torch.where, args)
     set_meta(combined, torch.where, args, {}, fake_mode)
     return {**found, "mask": ("additive", combined), "bias": None, "replaced": True}

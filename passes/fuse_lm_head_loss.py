@@ -443,10 +443,10 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         other_users = list(dict.fromkeys(u for u in logits_users if u is not output_node))
         hidden_val, weight_val = _val(match.hidden), _val(match.weight)
         vocab, hidden_size = weight_val.shape
-        num_tokens = _val(match.target).numel()
-        chunk = config.lm_head_chunk_size or default_chunk_size(num_tokens, vocab, hidden_size, hidden_val.dtype)
-
         shift = _slice_as_ignored_targets(match, hidden_val)
+        # the op's rows: every hidden row when a token slice becomes ignored targets, else one per target
+        num_tokens = hidden_val.numel() // hidden_size if shift else _val(match.target).numel()
+        chunk = config.lm_head_chunk_size or default_chunk_size(num_tokens, vocab, hidden_size, hidden_val.dtype)
         with graph.inserting_before(match.loss_node):
             hidden = match.hidden
             for index in ([] if shift else reversed(match.token_slices)):  # innermost slice was appended last

@@ -48,6 +48,7 @@ from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_plac
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
+from burstc.sharding.rules import UNFUSED_LOSSES
 from burstc.sharding.placements import MergedRows, RowIndex, TuplePlacement, factors
 
 KIND = "shard"
@@ -258,7 +259,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
         }, module=module_path(node))
 
     for node in plan.losses:
-        if is_function(node, F.cross_entropy, F.nll_loss):
+        if is_function(node, *UNFUSED_LOSSES):
             _shard_cross_entropy(graph, node, group_name, layout, padded_len, analyzer.S, plan.merged_rows[node],
                                  analyzer.s, owners)
             continue
@@ -362,8 +363,8 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
                          seq_len: int, rows, local_len: int, owners: tuple = ()) -> None:
     """``cross_entropy(logits_local, targets)`` (or ``nll_loss``) -> per-token losses of the local rows (this
     rank's targets, padded ones ignored), all-gathered into the full ``[S]`` vector, then reduced as the call
-    asked.  ``rows``: the batch rows merged into the token dim of ``[tokens, classes]`` logits, or
-    ``"classes_in_dim_1"`` for CE's ``[B, classes, S]`` layout with ``[B, S]`` targets.
+    asked.  ``rows``: the batch rows merged into the token dim of ``[tokens, classes]`` logits (None for CE's
+    ``[B, classes, S]`` layout with ``[B, S]`` targets: 3-D logits).
 
     Exact: the per-token losses are those of one device; the gather's backward hands each rank the
     gradient of its own rows, and the parameter-gradient all-reduce sums the ranks' contributions.
@@ -374,7 +375,7 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     target = kw["target"]
     ignore_index = kw.get("ignore_index", -100)
     reduction = kw.get("reduction", "mean")
-    sequence_layout = rows == "classes_in_dim_1"
+    sequence_layout = rows is None
     per_token_kwargs = {"ignore_index": ignore_index, "reduction": "none"}
     if node.target is F.cross_entropy:
         per_token_kwargs["label_smoothing"] = kw.get("label_smoothing", 0.0)

@@ -436,6 +436,7 @@ def test_shifted_logits_become_ignored_targets_on_the_whole_sequence(loss_fn, sl
     assert_same_training_step(model, lambda m: m(ids, labels), lambda: cmodel(ids, labels))
     record = burstc.report(cmodel).rewrites_of("lm_head_loss")[0]
     assert record.sliced_tokens == sliced
+    assert record.tokens == 3 * (7 if sliced else 6)  # the rows the op runs: the whole sequence when shifted
     nodes = list(burstc.report(cmodel).graphs["rewritten"].graph.nodes)
     pads = [n for n in nodes if n.target is F.pad]
     hidden_slices = [n for n in nodes if n.op == "call_function" and n.target is operator.getitem

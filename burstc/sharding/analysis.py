@@ -27,7 +27,7 @@ class Plan:
     new_args: dict = field(default_factory=dict)         # node -> (args, kwargs)
     attention: list = field(default_factory=list)        # SDPA nodes to become ring attention
     losses: list = field(default_factory=list)           # fused loss nodes and plain cross_entropy nodes
-    merged_rows: dict = field(default_factory=dict)      # plain cross_entropy node -> batch rows merged in
+    merged_rows: dict = field(default_factory=dict)      # plain cross_entropy node -> batch rows merged in ([B, V, S] logits: None)
     outputs_to_gather: list = field(default_factory=list)
     # sums over every token (a load-balancing loss's counts and mean probabilities): this rank's part, summed over
     # the ranks right after (forward all-reduce, identity backward: each rank's tokens get their own gradient)

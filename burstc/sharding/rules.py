@@ -143,7 +143,11 @@ def fused_loss(analyzer, node):
     return REPLICATE  # the all-reduce inserted after it makes the loss replicated
 
 
-@rule("cross_entropy", on_functions(F.cross_entropy, F.nll_loss))
+UNFUSED_LOSSES = (F.cross_entropy, F.nll_loss)
+"""The losses on logits the ``cross_entropy`` rule shards (the shard pass rewrites these plan losses)."""
+
+
+@rule("cross_entropy", on_functions(*UNFUSED_LOSSES))
 def cross_entropy(analyzer, node):
     """``F.cross_entropy`` (or ``F.nll_loss`` of log-probabilities) on sharded logits that the LM-head fusion left
     alone (e.g. logits scaled between the head and the loss, or the fusion switched off): per-token losses on the
@@ -170,7 +174,7 @@ def cross_entropy(analyzer, node):
     if logits_val.dim() == 3 and placement == Shard(2):  # [B, classes, S]: the targets are [B, S]
         if tuple(target_val.shape) != (logits_val.shape[0], analyzer.S) or target_val.dtype.is_floating_point:
             raise Refused(CODES.loss_targets, f"{name} targets are not [B, S] class indices", node)
-        analyzer.plan.merged_rows[node] = "classes_in_dim_1"
+        analyzer.plan.merged_rows[node] = None  # CE's [B, classes, S] layout: no batch rows merged into tokens
         analyzer.plan.losses.append(node)
         return REPLICATE
     batch_rows = placement.outer if isinstance(placement, MergedRows) and placement.dim == 0 \
