@@ -60,6 +60,7 @@ MODEL_GQA = ["tests/test_sharded_models.py", "-k", "test_model_matches_single_de
 MODEL_LAYOUTS = ["tests/test_sharded_models.py", "-k", "test_layouts_and_plans and (zigzag-burst or striped-kv_ring)"]
 MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_cannot_split_is_padded_when_exact"]
 MODEL_CE = ["tests/test_sharded_models.py", "-k", "test_unfused_cross_entropy_is_sharded or per_token_losses"]
+MODEL_AUTOCAST = ["tests/test_sharded_models.py", "-k", "autocast"]
 MOE_RULES = ["tests/test_moe_dispatch.py"]
 MOE_MODELS = ["tests/test_hf_architectures.py", "-k", "mixture_of_experts_dispatch and mixtral"]
 LOAD_BALANCE = ["tests/test_hf_architectures.py", "-k", "load_balancing"]
@@ -262,6 +263,15 @@ MUTANTS = [
        '        args = (found["bias"], found["mask"][1])\n',
        '        args = (found["mask"][1], 0.0)\n',
        "(scores + alibi) + mask folded to the mask alone: the ALiBi bias lost", DETECT),
+    _m("autocast_scores_read_the_uncast_query", "passes/detect_attention.py",
+       "    scores.replace_input_with(q, q_cast)\n",
+       "",
+       "a manual attention under autocast keeps its scores on the fp32 query: the cast q is read by nothing, so "
+       "the ring can't replace the attention (refused, replicated)", DETECT, MODEL_AUTOCAST),
+    _m("autocast_mask_left_in_fp32", "passes/detect_attention.py",
+       "            mask_node, = _cast_like_autocast(gm, [mask_node], found[\"autocast\"], fake_mode)\n",
+       "",
+       "an additive fp32 mask under autocast not cast with the scores: refused as a dtype mismatch", DETECT),
     _m("fuse_drops_softcap", "passes/fuse_lm_head_loss.py",
        "label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)",
        "label_smoothing=match.label_smoothing, softcap=None, chunk_size=chunk)",

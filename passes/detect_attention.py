@@ -118,14 +118,16 @@ def _heads(node) -> int | None:
 
 
 _LAYOUT_METHODS = ("transpose", "contiguous", "permute")
+# between repeat_kv and the attention: layout ops, and the dtype cast autocast's inputs get (_cast_like_autocast)
+_HEAD_PRESERVING_METHODS = _LAYOUT_METHODS + ("to",)
 
 
 def _unrepeated_kv(node: fx.Node):
     """If ``node`` is ``repeat_kv(x)`` (``x[..., None, ...].expand(...).reshape(...)``, as HF and
-    torchtitan write it) followed only by transposes/contiguous, return (x, layout_chain, n_rep):
+    torchtitan write it) followed only by transposes/contiguous/dtype casts, return (x, layout_chain, n_rep):
     replaying the chain on x gives the same tensor with the kv heads not repeated."""
     chain = []
-    while is_method(node, *_LAYOUT_METHODS):
+    while is_method(node, *_HEAD_PRESERVING_METHODS):
         chain.append(node)
         node = node.args[0]
     if not is_method(node, "reshape", "view") or not is_method(node.args[0], "expand"):
@@ -163,6 +165,31 @@ def _replay(graph, x, chain, before, fake_mode):
         set_meta(x_next, _call_method(op.target), args, dict(op.kwargs), fake_mode)
         x = x_next
     return x
+
+
+def _cast_like_autocast(gm, tensors, dtype, fake_mode) -> list:
+    """``tensors`` cast to ``dtype`` where they differ (each cast right after its tensor).  Under
+    ``torch.autocast`` a matmul (and SDPA) casts its fp32 inputs to the autocast dtype; written out here, the
+    attention's q, k, v (and a float mask) are what its kernel computes on, so that the ring op runs in bf16 as
+    eager does and sends bf16 rows."""
+    cast = []
+    for t in tensors:
+        if isinstance(t, fx.Node) and val(t) is not None and val(t).dtype != dtype:
+            with gm.graph.inserting_after(t):
+                t_cast = gm.graph.call_method("to", (t, dtype))
+            set_meta(t_cast, _call_method("to"), (t, dtype), {}, fake_mode)
+            t = t_cast
+        cast.append(t)
+    return cast
+
+
+def _autocast_dtype(node: fx.Node, inputs) -> torch.dtype | None:
+    """The autocast dtype an attention ran in: its output's low-precision float dtype where some of its
+    float ``inputs`` are fp32 (only autocast mixes them in a matmul or SDPA) -> None otherwise."""
+    out, dtypes = val(node), {val(t).dtype for t in inputs if isinstance(t, fx.Node) and val(t) is not None}
+    if out is None or out.dtype not in (torch.bfloat16, torch.float16) or not dtypes - {out.dtype}:
+        return None
+    return out.dtype if dtypes <= {out.dtype, torch.float32} else None
 
 
 def _undo_repeat_kv(gm, node, fake_mode) -> bool:
@@ -333,12 +360,15 @@ def _match_manual(gm, out_node):
     k = _transposed_key(kt)
     if k is None or any(val(t) is None or val(t).dim() != 4 for t in (q, k, v)):
         return None
-    if len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
+    autocast = _autocast_dtype(out_node, (q, k, v))
+    if autocast is not None and val(node).dtype != autocast:
+        return None  # scores in another precision than autocast's matmul would give
+    if autocast is None and len({val(t).dtype for t in (q, k, v, out_node)}) != 1:
         return None  # SDPA returns q's dtype: only when the manual attention does too
     if sink is not None and (softcap is not None or val(sink).shape != (1, val(q).shape[1], 1, 1)):
         return None
     return dict(q=q, k=k, v=v, scale=scale, mask=mask, softcap=softcap, softmax=probs, fill=fill, bias=bias,
-                masking_node=masking_node, sink=sink)
+                masking_node=masking_node, sink=sink, autocast=autocast, scores=node, key_transposed=kt)
 
 
 def _drops_the_sink(node):
@@ -422,6 +452,10 @@ def _manual_sdpa_mask(gm, node, found, spec, fake_mode):
     if _written_between(gm, mask_node, reader, node):
         return None, Refusal(CODES.mask_dense, "the mask is written in place between its use and the attention")
     if style == "additive":  # SDPA adds a float attn_mask to the scaled scores, as the manual graph did
+        if found["autocast"] is not None:
+            # SDPA under autocast casts a float mask as well; fp32's finfo.min becomes bf16's -inf, harmless here:
+            # every spec this path takes (no KeyPadding) shows each query its own key, so no row is all -inf
+            mask_node, = _cast_like_autocast(gm, [mask_node], found["autocast"], fake_mode)
         if val(mask_node).dtype != val(found["q"]).dtype:
             return None, Refusal(CODES.mask_dtype, f"the additive mask is {val(mask_node).dtype}, "
                                                    f"the scores {val(found['q']).dtype}")
@@ -459,9 +493,26 @@ def _with_bias_folded(gm, node, found, fake_mode) -> dict:
     return {**found, "mask": ("additive", combined), "bias": None, "replaced": True}
 
 
+def _cast_manual_inputs(gm, node, found, fake_mode) -> dict:
+    """A manual attention whose matmuls ran under ``torch.autocast``: its q, k, v cast to autocast's dtype in
+    the graph, read by its two matmuls (which autocast would have cast them for: the same values), so that the
+    attention as written and any op replacing it (SDPA, the ring) start from the same low-precision q, k, v."""
+    q, k, v = found["q"], found["k"], found["v"]
+    q_cast, k_cast, v_cast = _cast_like_autocast(gm, [q, k, v], found["autocast"], fake_mode)
+    scores, key_transposed = found["scores"], found["key_transposed"]
+    scores.replace_input_with(q, q_cast)
+    key_transposed.replace_input_with(k, k_cast)
+    node.replace_input_with(v, v_cast)
+    fn = _call_method(key_transposed.target) if key_transposed.op == "call_method" else key_transposed.target
+    set_meta(key_transposed, fn, key_transposed.args, dict(key_transposed.kwargs), fake_mode)
+    return {**found, "q": q_cast, "k": k_cast, "v": v_cast}
+
+
 def _detect_manual(gm, node, found, context, fake_mode, memo: dict) -> AttentionMatch | None:
     """Record the manual attention ``node``; when exact, canonicalize it to SDPA -> the SDPA's match or None."""
     spec, fill = MaskSpec.full(), None
+    if found["autocast"] is not None:
+        found = _cast_manual_inputs(gm, node, found, fake_mode)
     if found["bias"] is not None:
         found = _with_bias_folded(gm, node, found, fake_mode)
     if found["mask"] is not None:
@@ -591,6 +642,14 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if is_function(node, SDPA):
             origin, spec, refusal = _canonicalize_sdpa(gm, node, memo)
+            kwargs = sdpa_kwargs(node)
+            operands = [kwargs["query"], kwargs["key"], kwargs["value"], kwargs["attn_mask"]]
+            autocast = _autocast_dtype(node, operands)
+            if autocast is not None:  # SDPA under torch.autocast: its inputs cast as autocast would
+                q, k, v, mask = _cast_like_autocast(gm, operands, autocast, fake_mode)
+                kwargs.update(attn_mask=mask)
+                node.args = (q, k, v)
+                node.kwargs = {name: value for name, value in kwargs.items() if name not in ("query", "key", "value")}
             notes = ()
             if _undo_repeat_kv(gm, node, fake_mode):
                 notes = ("repeat_kv undone: kv heads travel unrepeated",)

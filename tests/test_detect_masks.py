@@ -3,6 +3,7 @@
 Each case captures a Dynamo graph and runs the pass inside the backend (where buffer values are still
 held); where the pass rewrites the graph, the rewritten graph must compute what the function does."""
 import functools
+import operator
 
 import pytest
 import torch
@@ -482,3 +483,41 @@ def test_manual_attention_divided_by_sqrt_d_keeps_its_scale():
     assert match.refusal is None and match.mask == MaskSpec.causal()
     assert match.scale == pytest.approx(D ** -0.5)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("style", ["additive", "softcap", "sdpa"])
+def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
+    """HF's eager attention under ``torch.autocast``: q and k fp32 (RoPE's products), v bf16 (a projection),
+    both matmuls in bf16, the fp32 mask promoting the scores (found by the fuzzer: not detected, so 18 of 20 such
+    cases ran replicated).  The attention computes on q, k, v cast to bf16 as autocast casts them: canonicalized
+    to SDPA (with the mask cast too), or, soft-capped, left as written on the cast inputs; SDPA under autocast
+    gets its inputs cast in the graph too.  The graph's result is eager's."""
+    def attention(q, k, v):
+        mask = torch.zeros(S, S).masked_fill(~window_mask(4), MIN)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v = v.to(torch.bfloat16)  # as a bf16 projection leaves it
+            if style == "sdpa":
+                return SDPA(q, k, v, attn_mask=mask)
+            scores = (q @ k.transpose(-2, -1)) * 0.5
+            if style == "softcap":
+                scores = torch.tanh(scores / 5.0) * 5.0
+            probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+            return probs @ v
+
+    context, got, want = _detect(attention, *_qkv())
+    match = _one_match(context)
+    assert match.refusal is None and match.mask.terms == (Causal(), SlidingWindow(3))
+    from burstc.passes.graph_utils import val
+
+    assert [val(t).dtype for t in (match.query, match.key, match.value)] == [torch.bfloat16] * 3
+    assert all(n.target == "to" for n in (match.query, match.key)) and got.dtype == want.dtype == torch.bfloat16
+    assert (match.node.target is SDPA) == (style != "softcap")
+    if style == "softcap":  # as written: its scores matmul reads the cast q (the ring op replaces it all)
+        assert any(u.target in (torch.matmul, operator.matmul) for u in match.query.users)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    else:  # SDPA's kernel keeps the probabilities in fp32 where eager rounds them to bf16: bf16 ulps apart
+        from burstc.testing.oracle import tolerance
+
+        tol = tolerance(torch.bfloat16, "attention_out")
+        error = (got.float() - want.float()).abs().max()
+        assert error <= tol.atol + tol.rtol * want.float().abs().max(), error

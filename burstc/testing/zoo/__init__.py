@@ -64,6 +64,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     packed_position_ids,
     windowed_hf_llama,
     hf_loss_autocast,
+    hf_loss_left_padded_autocast,
     hf_llama_checkpointed,
     hf_llama_sac_checkpointed,
     hf_llama_every_other_layer_checkpointed,

@@ -213,6 +213,15 @@ def hf_loss_autocast(model, ids):
         return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
+def hf_loss_left_padded_autocast(model, ids):
+    """hf_loss_autocast on a left-padded batch (the last sequence's first 12 tokens are padding)."""
+    mask = torch.ones_like(ids)
+    mask[-1, :12] = 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask,
+                     use_cache=False).loss
+
+
 def hf_llama_checkpointed():
     """HF's activation checkpointing, as long-sequence training turns it on."""
     model = hf_llama()
