@@ -15,7 +15,7 @@ from the copy).  Between mutants the patched file gets its original bytes back.
 
 Each mutant runs its own test selection (the files that should kill it, ``-x``, a timeout); a mutant is
 ``killed`` (first failing test named), ``survived``, ``timeout`` (a hang counts as killed, reported apart),
-or ``unapplied`` (its ``old`` text is gone: fix the mutant).
+or ``unapplied`` (its ``old`` text is gone, or the patched file does not compile: fix the mutant).
 
     python benchmarks/mutants.py --list
     python benchmarks/mutants.py --only lse_merge_weight_sign
@@ -269,9 +269,9 @@ MUTANTS = [
        "a manual attention under autocast keeps its scores on the fp32 query: the cast q is read by nothing, so "
        "the ring can't replace the attention (refused, replicated)", DETECT, MODEL_AUTOCAST),
     _m("autocast_mask_left_in_fp32", "passes/detect_attention.py",
-       "            mask_node, = _cast_like_autocast(gm, [mask_node], found[\"autocast\"], fake_mode)\n",
-       "",
-       "an additive fp32 mask under autocast not cast with the scores: refused as a dtype mismatch", DETECT),
+       "            mask_node, = _cast_like_autocast(gm, [mask_node], q_dtype, fake_mode)\n",
+       "            pass\n",
+       "an additive fp32 mask on bf16 scores (a model run under autocast) not cast: refused as a dtype mismatch", DETECT),
     _m("fuse_drops_softcap", "passes/fuse_lm_head_loss.py",
        "label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)",
        "label_smoothing=match.label_smoothing, softcap=None, chunk_size=chunk)",
@@ -518,6 +518,15 @@ def run_tests(copy: Path, args: tuple[str, ...], timeout_s: float) -> tuple[str,
     return "failed", found.group(1) if found else f"pytest exit {proc.returncode}: {out.strip().splitlines()[-1:]}"
 
 
+def syntax_error(source: str, path: str) -> str:
+    """Why ``source`` does not compile ("" when it does): such a mutant would be "killed" by any import."""
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as err:
+        return f"does not compile: {err.msg} (line {err.lineno})"
+    return ""
+
+
 def run_mutant(copy: Path, mutant: Mutant, timeout_s: float) -> Result:
     start = time.monotonic()
     target = copy / mutant.path
@@ -526,6 +535,9 @@ def run_mutant(copy: Path, mutant: Mutant, timeout_s: float) -> Result:
         patched = mutant.patched(original.decode())
     except ValueError as err:
         return Result(mutant, "unapplied", str(err), 0.0)
+    syntax = syntax_error(patched, mutant.path)
+    if syntax:  # a mutant no test needs to notice: every import of the file would fail
+        return Result(mutant, "unapplied", syntax, 0.0)
     target.write_text(patched)
     try:
         for args in mutant.tests:

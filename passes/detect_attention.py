@@ -452,11 +452,14 @@ def _manual_sdpa_mask(gm, node, found, spec, fake_mode):
     if _written_between(gm, mask_node, reader, node):
         return None, Refusal(CODES.mask_dense, "the mask is written in place between its use and the attention")
     if style == "additive":  # SDPA adds a float attn_mask to the scaled scores, as the manual graph did
-        if found["autocast"] is not None:
-            # SDPA under autocast casts a float mask as well; fp32's finfo.min becomes bf16's -inf, harmless here:
-            # every spec this path takes (no KeyPadding) shows each query its own key, so no row is all -inf
-            mask_node, = _cast_like_autocast(gm, [mask_node], found["autocast"], fake_mode)
-        if val(mask_node).dtype != val(found["q"]).dtype:
+        q_dtype = val(found["q"]).dtype
+        if val(mask_node).is_floating_point() and val(mask_node).dtype != q_dtype:
+            # a model in fp32 run under autocast builds its mask in fp32, added to bf16 scores (in fp32, by type
+            # promotion); SDPA takes a float mask in q's dtype (under autocast SDPA casts it so itself): the
+            # visible entries' 0 is exact, a bias rounds as the scores did; fp32's finfo.min becomes bf16's
+            # -inf, harmless here: every spec this path takes (no KeyPadding) shows each query its own key
+            mask_node, = _cast_like_autocast(gm, [mask_node], q_dtype, fake_mode)
+        if val(mask_node).dtype != q_dtype:
             return None, Refusal(CODES.mask_dtype, f"the additive mask is {val(mask_node).dtype}, "
                                                    f"the scores {val(found['q']).dtype}")
         return {"attn_mask": mask_node}, None

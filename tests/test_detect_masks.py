@@ -485,17 +485,20 @@ def test_manual_attention_divided_by_sqrt_d_keeps_its_scale():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("style", ["additive", "softcap", "sdpa"])
+@pytest.mark.parametrize("style", ["additive", "softcap", "sdpa", "bf16_qkv"])
 def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
     """HF's eager attention under ``torch.autocast``: q and k fp32 (RoPE's products), v bf16 (a projection),
     both matmuls in bf16, the fp32 mask promoting the scores (found by the fuzzer: not detected, so 18 of 20 such
     cases ran replicated).  The attention computes on q, k, v cast to bf16 as autocast casts them: canonicalized
     to SDPA (with the mask cast too), or, soft-capped, left as written on the cast inputs; SDPA under autocast
-    gets its inputs cast in the graph too.  The graph's result is eager's."""
+    gets its inputs cast in the graph too; q, k, v already bf16 (Cohere-2 casts RoPE's result back) meet only the
+    fp32 mask, cast for SDPA.  The graph's result is eager's."""
     def attention(q, k, v):
         mask = torch.zeros(S, S).masked_fill(~window_mask(4), MIN)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             v = v.to(torch.bfloat16)  # as a bf16 projection leaves it
+            if style == "bf16_qkv":
+                q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
             if style == "sdpa":
                 return SDPA(q, k, v, attn_mask=mask)
             scores = (q @ k.transpose(-2, -1)) * 0.5
@@ -511,6 +514,8 @@ def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
 
     assert [val(t).dtype for t in (match.query, match.key, match.value)] == [torch.bfloat16] * 3
     assert all(n.target == "to" for n in (match.query, match.key)) and got.dtype == want.dtype == torch.bfloat16
+    if match.node.target is SDPA and style != "sdpa":  # the fp32 mask went in cast to bf16
+        assert val(match.node.kwargs["attn_mask"]).dtype == torch.bfloat16
     assert (match.node.target is SDPA) == (style != "softcap")
     if style == "softcap":  # as written: its scores matmul reads the cast q (the ring op replaces it all)
         assert any(u.target in (torch.matmul, operator.matmul) for u in match.query.users)
