@@ -236,6 +236,26 @@ def test_cat_along_hidden_shards_a_replicated_part_and_cat_along_the_sequence_is
     assert why.code == CODES.cat_sequence and why.reason == "cat along the sequence dim"
 
 
+def test_cat_and_stack_of_merged_rows_along_another_dim_keep_the_rows():
+    """Phi-MoE's sparsemixer at batch 2: per-token ``[B * S, 1]`` values concatenated to ``[B * S, 2]``."""
+    def fn(ids, t, how):
+        rows = embed(ids, t).view(-1, H)
+        first, second = rows.sum(-1, keepdim=True), rows.amax(-1, keepdim=True)
+        if how == "cat":
+            return torch.cat([first, second], dim=-1) * 2
+        if how == "stack":
+            return torch.stack([first, second], dim=0) * 2
+        return torch.cat([first, second], dim=0)  # along the merged rows themselves
+
+    assert place_of(analyze(fn, tokens(batch=2), TABLE, "cat"), torch.cat) == MergedRows(0, 2)
+    assert place_of(analyze(fn, tokens(batch=2), TABLE, "stack"), torch.stack) == MergedRows(1, 2)
+    why = refusal(fn, tokens(batch=2), TABLE, "rows")
+    assert why.code == CODES.cat_sequence and "along merged batch and sequence rows" in why.reason
+    mixed = refusal(lambda ids, t: torch.cat([embed(ids, t).view(-1, H), torch.randn(2 * S, 1)], dim=-1),
+                    tokens(batch=2), TABLE)
+    assert mixed.code == CODES.merged_rows and "not all on the same merged" in mixed.reason
+
+
 # -- softmax, reductions, matmul -------------------------------------------------------------------------
 def test_softmax_over_hidden_passes_and_over_the_sequence_is_refused():
     analyzer = analyze(lambda ids, t: embed(ids, t).softmax(dim=-1), tokens(), TABLE)

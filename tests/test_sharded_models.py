@@ -71,7 +71,8 @@ def test_bf16(workers):
                       group=workers.get(2), backend="aot_eager", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "titan_llama", "hf_llama_eager", "gemma2_eager_left_padded"])
+@pytest.mark.parametrize("name", ["hf_llama", "titan_llama", "hf_llama_eager", "gemma2_eager_left_padded",
+                                  "cohere2_eager_packed", "gpt_oss_eager"])
 def test_autocast(workers, name):
     # fp32 parameters, bf16 autocast: the ring and the fused loss cast like the SDPA and linear they replace;
     # HF's eager attention under autocast mixes fp32 q/k (after RoPE) with bf16 v in its matmuls (found by the
@@ -84,7 +85,13 @@ def test_autocast(workers, name):
         "hf_llama_eager": (functools.partial(zoo.hf_arch_variant, "LlamaConfig", "eager"), zoo.hf_arch_inputs,
                            zoo.hf_loss_autocast),
         "gemma2_eager_left_padded": (functools.partial(zoo.hf_arch, "Gemma2Config"), zoo.hf_arch_batch_inputs,
-                                     zoo.hf_loss_left_padded_autocast)}[name]
+                                     zoo.hf_loss_left_padded_autocast),
+        # q, k, v bf16 already (RoPE's result cast back), packed documents' fp32 mask: cast for SDPA
+        "cohere2_eager_packed": (functools.partial(zoo.hf_arch_variant, "Cohere2Config", "eager"),
+                                 zoo.hf_arch_inputs, zoo.hf_loss_packed_autocast),
+        # attention sinks, left as written and replaced by the ring
+        "gpt_oss_eager": (functools.partial(zoo.hf_arch, "GptOssConfig"), zoo.hf_arch_inputs,
+                          zoo.hf_loss_autocast)}[name]
     results = assert_equivalent(model_fn, inputs_fn, loss_fn, world_size=2, group=workers.get(2),
                                 backend="aot_eager", tolerance_dtype=torch.bfloat16)
     kinds = [k for k, _ in results[0]["rewrites"]]

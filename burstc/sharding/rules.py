@@ -898,6 +898,23 @@ def addmm_merged(analyzer, node):
     return placement
 
 
+@rule("cat_merged", on_functions(torch.cat, torch.concat, torch.concatenate, torch.stack))
+def cat_merged(analyzer, node):
+    """Values on the same merged rows joined along another dim (Phi-MoE's sparsemixer: each token's expert ids
+    and weights, ``[B * S, 1]`` each, concatenated to ``[B * S, k]`` at batch > 1): the same rows placement."""
+    tensors = [t for t in node.args[0] if val(t).numel() > 0]
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    placements = {analyzer.place(t) for t in tensors}
+    if len(placements) != 1 or not isinstance(next(iter(placements)), MergedRows):
+        raise Refused(CODES.merged_rows, f"`{op_name(node)}` of values not all on the same merged batch and "
+                                         "sequence rows", node)
+    placement = placements.pop()
+    out_dim = norm_dim(dim, val(node).dim())
+    if node.target is not torch.stack and out_dim == placement.dim:
+        raise Refused(CODES.cat_sequence, f"`{op_name(node)}` along merged batch and sequence rows", node)
+    return placement.shifted(1) if node.target is torch.stack and out_dim <= placement.dim else placement
+
+
 @rule("merged_later_operand", lambda analyzer, node: not isinstance(analyzer.place(first_arg(node)), MergedRows))
 def refuse_merged_later_operand(analyzer, node):
     raise Refused(CODES.merged_rows, f"`{op_name(node)}` with merged batch and sequence rows in a later operand",
@@ -915,7 +932,7 @@ SHARDED_RULES: tuple[Rule, ...] = (
 )
 MERGED_RULES: tuple[Rule, ...] = (
     side_effect_free, sums_by_group, refuse_inplace_write, cross_entropy, addmm_merged, tuple_item,
-    refuse_tuple_operand, gather_rows, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
+    refuse_tuple_operand, gather_rows, cat_merged, refuse_merged_later_operand, topk_sort, pointwise_op, pointwise_autograd_function,
     like_constructor, one_hot, gather_scatter, min_max, dropout, linear, norm, softmax, reduction, histc_of_rows,
     matmul, transpose, permute, matrix_t, unsqueeze, squeeze, dtype_view, reshape, repeat_interleave, broadcast_to,
     expand_or_repeat, split, pointwise_inplace,

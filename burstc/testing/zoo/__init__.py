@@ -65,6 +65,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     windowed_hf_llama,
     hf_loss_autocast,
     hf_loss_left_padded_autocast,
+    hf_loss_packed_autocast,
     hf_llama_checkpointed,
     hf_llama_sac_checkpointed,
     hf_llama_every_other_layer_checkpointed,

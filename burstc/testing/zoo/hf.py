@@ -222,6 +222,12 @@ def hf_loss_left_padded_autocast(model, ids):
                      use_cache=False).loss
 
 
+def hf_loss_packed_autocast(model, ids):
+    """hf_loss_packed under torch.autocast(bf16): HF builds the packed documents' mask in fp32, the model's dtype."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return hf_loss_packed(model, ids)
+
+
 def hf_llama_checkpointed():
     """HF's activation checkpointing, as long-sequence training turns it on."""
     model = hf_llama()
