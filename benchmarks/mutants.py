@@ -272,6 +272,12 @@ MUTANTS = [
        "            mask_node, = _cast_like_autocast(gm, [mask_node], q_dtype, fake_mode)\n",
        "            pass\n",
        "an additive fp32 mask on bf16 scores (a model run under autocast) not cast: refused as a dtype mismatch", DETECT),
+    _m("merged_rows_cat_along_the_rows", "burstc/sharding/rules.py",
+       "    if node.target is not torch.stack and out_dim == placement.dim:\n"
+       "        raise Refused(CODES.cat_sequence, f\"`{op_name(node)}` along merged batch and sequence rows\", node)\n",
+       "",
+       "values on merged rows concatenated along those rows taken as still on them (each rank's pieces "
+       "interleaved wrongly)", RULES),
     _m("fuse_drops_softcap", "passes/fuse_lm_head_loss.py",
        "label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)",
        "label_smoothing=match.label_smoothing, softcap=None, chunk_size=chunk)",
