@@ -173,8 +173,8 @@ def _cast_like_autocast(gm, tensors, dtype, fake_mode) -> list:
     attention's q, k, v (and a float mask) are what its kernel computes on, so that the ring op runs in bf16 as
     eager does and sends bf16 rows."""
     cast = []
-    for t in tensors:
-        if isinstance(t, fx.Node) and val(t) is not None and val(t).dtype != dtype:
+    for t in tensors:  # float tensors only: a bool mask keeps its meaning (cast, it would become a 0/1 bias)
+        if isinstance(t, fx.Node) and val(t) is not None and val(t).is_floating_point() and val(t).dtype != dtype:
             with gm.graph.inserting_after(t):
                 t_cast = gm.graph.call_method("to", (t, dtype))
             set_meta(t_cast, _call_method("to"), (t, dtype), {}, fake_mode)
@@ -185,8 +185,10 @@ def _cast_like_autocast(gm, tensors, dtype, fake_mode) -> list:
 
 def _autocast_dtype(node: fx.Node, inputs) -> torch.dtype | None:
     """The autocast dtype an attention ran in: its output's low-precision float dtype where some of its
-    float ``inputs`` are fp32 (only autocast mixes them in a matmul or SDPA) -> None otherwise."""
-    out, dtypes = val(node), {val(t).dtype for t in inputs if isinstance(t, fx.Node) and val(t) is not None}
+    float ``inputs`` are fp32 (only autocast mixes them in a matmul or SDPA) -> None otherwise (a bool mask
+    among the inputs is no evidence either way)."""
+    out = val(node)
+    dtypes = {val(t).dtype for t in inputs if isinstance(t, fx.Node) and val(t) is not None and val(t).is_floating_point()}
     if out is None or out.dtype not in (torch.bfloat16, torch.float16) or not dtypes - {out.dtype}:
         return None
     return out.dtype if dtypes <= {out.dtype, torch.float32} else None

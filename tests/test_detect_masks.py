@@ -485,7 +485,7 @@ def test_manual_attention_divided_by_sqrt_d_keeps_its_scale():
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("style", ["additive", "softcap", "sdpa", "bf16_qkv"])
+@pytest.mark.parametrize("style", ["additive", "softcap", "sdpa", "bf16_qkv", "sdpa_bool_mask"])
 def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
     """HF's eager attention under ``torch.autocast``: q and k fp32 (RoPE's products), v bf16 (a projection),
     both matmuls in bf16, the fp32 mask promoting the scores (found by the fuzzer: not detected, so 18 of 20 such
@@ -501,6 +501,8 @@ def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
                 q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
             if style == "sdpa":
                 return SDPA(q, k, v, attn_mask=mask)
+            if style == "sdpa_bool_mask":  # q, k, v cast; the bool mask stays bool (not a 0/1 bias)
+                return SDPA(q, k, v, attn_mask=window_mask(4))
             scores = (q @ k.transpose(-2, -1)) * 0.5
             if style == "softcap":
                 scores = torch.tanh(scores / 5.0) * 5.0
@@ -514,8 +516,9 @@ def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
 
     assert [val(t).dtype for t in (match.query, match.key, match.value)] == [torch.bfloat16] * 3
     assert all(n.target == "to" for n in (match.query, match.key)) and got.dtype == want.dtype == torch.bfloat16
-    if match.node.target is SDPA and style != "sdpa":  # the fp32 mask went in cast to bf16
-        assert val(match.node.kwargs["attn_mask"]).dtype == torch.bfloat16
+    if match.node.target is SDPA and style != "sdpa":  # the fp32 mask went in cast to bf16, a bool one as it was
+        expected = torch.bool if style == "sdpa_bool_mask" else torch.bfloat16
+        assert val(match.node.kwargs["attn_mask"]).dtype == expected
     assert (match.node.target is SDPA) == (style != "softcap")
     if style == "softcap":  # as written: its scores matmul reads the cast q (the ring op replaces it all)
         assert any(u.target in (torch.matmul, operator.matmul) for u in match.query.users)
