@@ -269,7 +269,7 @@ MUTANTS = [
        "a manual attention under autocast keeps its scores on the fp32 query: the cast q is read by nothing, so "
        "the ring can't replace the attention (refused, replicated)", DETECT, MODEL_AUTOCAST),
     _m("autocast_mask_left_in_fp32", "passes/detect_attention.py",
-       "            mask_node, = _cast_like_autocast(gm, [mask_node], q_dtype, fake_mode)\n",
+       "            mask_node, = _cast_in_graph(gm, [mask_node], q_dtype, fake_mode)\n",
        "            pass\n",
        "an additive fp32 mask on bf16 scores (a model run under autocast) not cast: refused as a dtype mismatch", DETECT),
     _m("merged_rows_cat_along_the_rows", "burstc/sharding/rules.py",

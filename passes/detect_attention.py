@@ -118,7 +118,7 @@ def _heads(node) -> int | None:
 
 
 _LAYOUT_METHODS = ("transpose", "contiguous", "permute")
-# between repeat_kv and the attention: layout ops, and the dtype cast autocast's inputs get (_cast_like_autocast)
+# between repeat_kv and the attention: layout ops, and the dtype cast autocast's inputs get (_cast_in_graph)
 _HEAD_PRESERVING_METHODS = _LAYOUT_METHODS + ("to",)
 
 
@@ -167,8 +167,8 @@ def _replay(graph, x, chain, before, fake_mode):
     return x
 
 
-def _cast_like_autocast(gm, tensors, dtype, fake_mode) -> list:
-    """``tensors`` cast to ``dtype`` where they differ (each cast right after its tensor).  Under
+def _cast_in_graph(gm, tensors, dtype, fake_mode) -> list:
+    """Float ``tensors`` cast to ``dtype`` where they differ (each cast right after its tensor).  Under
     ``torch.autocast`` a matmul (and SDPA) casts its fp32 inputs to the autocast dtype; written out here, the
     attention's q, k, v (and a float mask) are what its kernel computes on, so that the ring op runs in bf16 as
     eager does and sends bf16 rows."""
@@ -188,7 +188,8 @@ def _autocast_dtype(node: fx.Node, inputs) -> torch.dtype | None:
     float ``inputs`` are fp32 (only autocast mixes them in a matmul or SDPA) -> None otherwise (a bool mask
     among the inputs is no evidence either way)."""
     out = val(node)
-    dtypes = {val(t).dtype for t in inputs if isinstance(t, fx.Node) and val(t) is not None and val(t).is_floating_point()}
+    floats = [val(t) for t in inputs if isinstance(t, fx.Node) and val(t) is not None and val(t).is_floating_point()]
+    dtypes = {t.dtype for t in floats}
     if out is None or out.dtype not in (torch.bfloat16, torch.float16) or not dtypes - {out.dtype}:
         return None
     return out.dtype if dtypes <= {out.dtype, torch.float32} else None
@@ -460,7 +461,7 @@ def _manual_sdpa_mask(gm, node, found, spec, fake_mode):
             # promotion); SDPA takes a float mask in q's dtype (under autocast SDPA casts it so itself): the
             # visible entries' 0 is exact, a bias rounds as the scores did; fp32's finfo.min becomes bf16's
             # -inf, harmless here: every spec this path takes (no KeyPadding) shows each query its own key
-            mask_node, = _cast_like_autocast(gm, [mask_node], q_dtype, fake_mode)
+            mask_node, = _cast_in_graph(gm, [mask_node], q_dtype, fake_mode)
         if val(mask_node).dtype != q_dtype:
             return None, Refusal(CODES.mask_dtype, f"the additive mask is {val(mask_node).dtype}, "
                                                    f"the scores {val(found['q']).dtype}")
@@ -503,7 +504,7 @@ def _cast_manual_inputs(gm, node, found, fake_mode) -> dict:
     the graph, read by its two matmuls (which autocast would have cast them for: the same values), so that the
     attention as written and any op replacing it (SDPA, the ring) start from the same low-precision q, k, v."""
     q, k, v = found["q"], found["k"], found["v"]
-    q_cast, k_cast, v_cast = _cast_like_autocast(gm, [q, k, v], found["autocast"], fake_mode)
+    q_cast, k_cast, v_cast = _cast_in_graph(gm, [q, k, v], found["autocast"], fake_mode)
     scores, key_transposed = found["scores"], found["key_transposed"]
     scores.replace_input_with(q, q_cast)
     key_transposed.replace_input_with(k, k_cast)
@@ -651,7 +652,7 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             operands = [kwargs["query"], kwargs["key"], kwargs["value"], kwargs["attn_mask"]]
             autocast = _autocast_dtype(node, operands)
             if autocast is not None:  # SDPA under torch.autocast: its inputs cast as autocast would
-                q, k, v, mask = _cast_like_autocast(gm, operands, autocast, fake_mode)
+                q, k, v, mask = _cast_in_graph(gm, operands, autocast, fake_mode)
                 kwargs.update(attn_mask=mask)
                 node.args = (q, k, v)
                 node.kwargs = {name: value for name, value in kwargs.items() if name not in ("query", "key", "value")}

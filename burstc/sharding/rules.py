@@ -861,22 +861,31 @@ def split(analyzer, node):
     return TuplePlacement((out,) * len(val(node)))
 
 
+def _joined(node):
+    """``torch.cat`` / ``stack`` -> (its non-empty operands, the output dim they are joined along)."""
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return [t for t in node.args[0] if val(t).numel() > 0], norm_dim(dim, val(node).dim())
+
+
+def _rows_after_join(node, rows_dim: int) -> int:
+    """Where operand rows at ``rows_dim`` are in a cat (unchanged) or a stack (one later, at or after its dim)."""
+    _, out_dim = _joined(node)
+    return rows_dim + (1 if node.target is torch.stack and out_dim <= rows_dim else 0)
+
+
 @rule("cat", on_functions(torch.cat, torch.concat, torch.concatenate, torch.stack))
 def cat(analyzer, node):
     """Along another dim: replicated parts with the full S are sharded alike; along the sequence: refused."""
-    tensors = list(node.args[0])
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    v = val(node)
-    nonempty = [t for t in tensors if val(t).numel() > 0]
+    nonempty, out_dim = _joined(node)
     placements = {analyzer.place(t) for t in nonempty} - {REPLICATE}
     if len(placements) != 1:
         raise Refused(CODES.misaligned_operands, "cat of values sharded along different dims", node)
     d = placements.pop().dim
-    if node.target is not torch.stack and norm_dim(dim, v.dim()) == d:
+    if node.target is not torch.stack and out_dim == d:
         if len(nonempty) == 1:
             return Shard(d)  # cat with empty tensors only (HF's cache init): pass-through
         raise Refused(CODES.cat_sequence, "cat along the sequence dim", node)
-    out = Shard(d + (1 if node.target is torch.stack and norm_dim(dim, v.dim()) <= d else 0))
+    out = Shard(_rows_after_join(node, d))
     for t in nonempty:
         if not is_sharded(analyzer.place(t)):
             if val(t).shape[d] == analyzer.S:
@@ -902,17 +911,15 @@ def addmm_merged(analyzer, node):
 def cat_merged(analyzer, node):
     """Values on the same merged rows joined along another dim (Phi-MoE's sparsemixer: each token's expert ids
     and weights, ``[B * S, 1]`` each, concatenated to ``[B * S, k]`` at batch > 1): the same rows placement."""
-    tensors = [t for t in node.args[0] if val(t).numel() > 0]
-    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    placements = {analyzer.place(t) for t in tensors}
+    nonempty, out_dim = _joined(node)
+    placements = {analyzer.place(t) for t in nonempty}
     if len(placements) != 1 or not isinstance(next(iter(placements)), MergedRows):
         raise Refused(CODES.merged_rows, f"`{op_name(node)}` of values not all on the same merged batch and "
                                          "sequence rows", node)
     placement = placements.pop()
-    out_dim = norm_dim(dim, val(node).dim())
     if node.target is not torch.stack and out_dim == placement.dim:
         raise Refused(CODES.cat_sequence, f"`{op_name(node)}` along merged batch and sequence rows", node)
-    return placement.shifted(1) if node.target is torch.stack and out_dim <= placement.dim else placement
+    return placement.shifted(_rows_after_join(node, placement.dim) - placement.dim)
 
 
 @rule("merged_later_operand", lambda analyzer, node: not isinstance(analyzer.place(first_arg(node)), MergedRows))

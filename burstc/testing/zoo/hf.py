@@ -214,12 +214,9 @@ def hf_loss_autocast(model, ids):
 
 
 def hf_loss_left_padded_autocast(model, ids):
-    """hf_loss_autocast on a left-padded batch (the last sequence's first 12 tokens are padding)."""
-    mask = torch.ones_like(ids)
-    mask[-1, :12] = 0
+    """hf_loss_left_padded under torch.autocast(bf16)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return model(input_ids=ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask,
-                     use_cache=False).loss
+        return hf_loss_left_padded(model, ids)
 
 
 def hf_loss_packed_autocast(model, ids):
