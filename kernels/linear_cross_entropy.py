@@ -93,6 +93,7 @@ def linear_cross_entropy_reference(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    logit_divisor: float | None = None,
     normalizer: Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
@@ -107,12 +108,11 @@ def linear_cross_entropy_reference(
     """
     vocab = weight.shape[0]
     logits = F.linear(hidden, weight, bias)
-    if logit_scale is not None:  # in the input dtype (one rounding), as the model's `logits * scale`
-        logits = logits * logit_scale
+    # in the input dtype (one rounding), as the model's `logits * scale` or `logits / divisor`
+    logits = scale_logits(logits, logit_scale, logit_divisor)
     if compute_dtype == torch.float64 and logits.dtype != torch.float64:
         exact = F.linear(hidden.double(), weight.double(), None if bias is None else bias.double())
-        if logit_scale is not None:
-            exact = exact * logit_scale
+        exact = scale_logits(exact, logit_scale, logit_divisor)
         logits = logits.detach().double() + (exact - exact.detach())
     logits = logits.to(compute_dtype).reshape(-1, vocab)
     if softcap is not None:
@@ -183,6 +183,18 @@ def default_chunk_size(
     return int(rows)
 
 
+def scale_logits(logits: Tensor, logit_scale: float | None, logit_divisor: float | None, *, in_place: bool = False
+                 ) -> Tensor:
+    """``logits * s`` or ``logits / d`` (or ``logits`` when both are None) in the logits' dtype, as the model wrote
+    it: ``x / 3`` and ``x * (1 / 3)`` round differently, so a divisor is divided by, never inverted. The chain
+    rule applies the same operation to the gradient (eager's ``div`` backward is ``grad / d``)."""
+    if logit_scale is not None:
+        return logits.mul_(logit_scale) if in_place else logits * logit_scale
+    if logit_divisor is not None:
+        return logits.div_(logit_divisor) if in_place else logits / logit_divisor
+    return logits
+
+
 def chunked_linear_cross_entropy(
     hidden_NH: Tensor,
     weight_VH: Tensor,
@@ -194,6 +206,7 @@ def chunked_linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    logit_divisor: float | None = None,
     chunk_size: int | None = None,
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
@@ -244,7 +257,8 @@ def chunked_linear_cross_entropy(
             computed_index = valid_N.nonzero().squeeze(1)
             if need_grad_hidden or need_grad_weight or need_grad_bias:
                 ignored_N = ~valid_N if padding_N is None else ~valid_N & ~padding_N
-                nonfinite_N = _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_scale)
+                nonfinite_N = _rows_with_nonfinite_logits(
+                    hidden_NH, weight_VH, bias_V, ignored_N, logit_scale, logit_divisor)
                 if nonfinite_N is not None:
                     # in chunks of their own, after the valid rows: a low-precision GEMM on CPU may spill one
                     # row's NaN into its neighbour's product (oneDNN's bf16 kernel pairs rows), never across chunks
@@ -280,11 +294,11 @@ def chunked_linear_cross_entropy(
             hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, computed_index,
             loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
             ignore_index=ignore_index, smoothing=float(label_smoothing), softcap=softcap, logit_scale=logit_scale,
-            padding_N=padding_N if computed_index is None else None, split_at=valid_rows,
+            logit_divisor=logit_divisor, padding_N=padding_N if computed_index is None else None, split_at=valid_rows,
             chunk=max(1, min(int(chunk_size), active_tokens)), scale_rows=uniform_scale is None,
         )
-        if logit_scale is not None and grad_bias_acc_V is not None:
-            grad_bias_acc_V.mul_(logit_scale)  # the chunks summed the bias gradient before the scale's chain rule
+        if grad_bias_acc_V is not None:  # the chunks summed the bias gradient before the scale's chain rule
+            scale_logits(grad_bias_acc_V, logit_scale, logit_divisor, in_place=True)
     if uniform_scale is not None and active_tokens > 0:  # (no rows: the gradients stay 0, even for 1 / 0)
         for grad in (grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V):
             if grad is not None:
@@ -298,7 +312,8 @@ def _skips_rows(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_scale) -> Tensor | None:
+def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_scale=None, logit_divisor=None
+                                ) -> Tensor | None:
     """Bool [N]: the ``ignored_N`` rows whose eager gradient may not be zero, or None when there are none.
 
     Eager differentiates an ignored row too: its dlogits are 0 x softmax (NaN where its logits are not finite),
@@ -320,6 +335,8 @@ def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_s
     weight_absmax = torch.maximum(high.to(work_dtype), -low.to(work_dtype))
     if logit_scale is not None:
         weight_absmax = weight_absmax * abs(float(logit_scale))
+    if logit_divisor is not None:
+        weight_absmax = weight_absmax / abs(float(logit_divisor))
     offset = 0.0
     if bias_V is not None:
         bias_low, bias_high = torch.aminmax(bias_V)
@@ -336,7 +353,8 @@ def _rows_with_nonfinite_logits(hidden_NH, weight_VH, bias_V, ignored_N, logit_s
 def _chunk_loop(
     hidden_NH, weight_VH, target_N, bias_V, token_grad_scale_N, computed_index,
     loss_out_N, lse_out_N, grad_hidden_NH, grad_weight_acc_VH, grad_bias_acc_V,
-    *, ignore_index, smoothing, softcap, chunk, scale_rows=True, logit_scale=None, padding_N=None, split_at=None,
+    *, ignore_index, smoothing, softcap, chunk, scale_rows=True, logit_scale=None, logit_divisor=None, padding_N=None,
+    split_at=None,
 ):
     """The chunk loop of chunked_linear_cross_entropy; writes into the *_out / grad_* tensors in place.
 
@@ -414,8 +432,8 @@ def _chunk_loop(
             torch.mm(hidden_CH, weight_t_HV, out=logits)
         else:
             torch.addmm(bias_V, hidden_CH, weight_t_HV, out=logits)
-        if logit_scale is not None:  # in the input dtype, as eager's `logits * s` (bf16 rounds the product)
-            logits.mul_(logit_scale)
+        # in the input dtype, as eager's `logits * s` or `logits / d` (bf16 rounds the result)
+        scale_logits(logits, logit_scale, logit_divisor, in_place=True)
         for block_start in range(0, count, block):
             rows = slice(block_start, min(block_start + block, count))
             if low_precision:
@@ -446,9 +464,9 @@ def _chunk_loop(
         if not with_grads:
             continue
         dlogits = logits
-        if logit_scale is not None:
-            # d(x * s) / dx: eager multiplies the (rounded, in low precision) dlogits by s in the input dtype
-            dlogits.mul_(logit_scale)
+        # d(x * s) / dx = s, d(x / d) / dx = 1 / d: eager multiplies by s or divides by d the (rounded, in low
+        # precision) dlogits in the input dtype
+        scale_logits(dlogits, logit_scale, logit_divisor, in_place=True)
         if grad_hidden_CH is not None:
             torch.mm(dlogits, weight_VH, out=grad_hidden_CH)
             if computed_index is not None:

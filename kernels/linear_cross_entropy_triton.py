@@ -84,15 +84,25 @@ def _round_to(x, DTYPE: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
 
 
 @_jit
+def _scale_by(x, logit_scale, LOGIT_DIVIDES: tl.constexpr):
+    """``x / d`` (correctly rounded: ``/`` on fp32 compiles to an approximate division on CUDA) or ``x * s``."""
+    if LOGIT_DIVIDES:
+        result = tl.math.div_rn(x, logit_scale)
+    else:
+        result = x * logit_scale
+    return result
+
+
+@_jit
 def _logit_tile(
     hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """(logits, tanh) for a [BLOCK_N, BLOCK_V] tile: fp32 logits after input-dtype rounding, the logit scale
-    (rounded to the input dtype again, as eager's ``logits * s``) and softcap."""
+    """(logits, tanh) for a [BLOCK_N, BLOCK_V] tile: fp32 logits after input-dtype rounding, the logit scale or
+    divisor (rounded to the input dtype again, as eager's ``logits * s`` or ``logits / d``) and softcap."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     for h0 in range(0, hidden_size, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -115,7 +125,7 @@ def _logit_tile(
         acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     logits = _round_to(acc, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
     if HAS_LOGIT_SCALE:
-        logits = _round_to(logits * logit_scale, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
+        logits = _round_to(_scale_by(logits, logit_scale, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
     tanh = logits  # unused without softcap
     if HAS_SOFTCAP:
         tanh = _tanh(logits / softcap, USE_LIBDEVICE_TANH)
@@ -130,6 +140,7 @@ def _lce_forward_kernel(
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
     ignore_index, padding_index, label_smoothing, softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -148,7 +159,7 @@ def _lce_forward_kernel(
         logits, _ = _logit_tile(
             hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
             stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-            HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
+            HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
             BLOCK_N, BLOCK_V, BLOCK_H,
         )
         logits = tl.where(mask_v[None, :], logits, float("-inf"))
@@ -180,6 +191,7 @@ def _lce_backward_kernel(
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
     ignore_index, padding_index, label_smoothing, softcap, logit_scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -193,7 +205,7 @@ def _lce_backward_kernel(
     logits, tanh = _logit_tile(
         hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
         stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-        HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
+        HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
         BLOCK_N, BLOCK_V, BLOCK_H,
     )
 
@@ -213,10 +225,13 @@ def _lce_backward_kernel(
         dlogits = dlogits * (1.0 - tanh * tanh)  # d(c tanh(x / c)) / dx
     dlogits = tl.where(mask_v[None, :] & live_n[:, None], dlogits, 0.0)
     # eager autograd rounds dlogits to the input dtype before its two matmuls; so do we. A logit scale's chain rule
-    # (d(x * s) / dx) multiplies the rounded dlogits by s in the input dtype: another rounding, as in eager.
+    # (d(x * s) / dx, d(x / d) / dx) multiplies (divides) the rounded dlogits by s (d) in the input dtype: another
+    # rounding, as in eager.
     dlogits_rounded = _round_to(dlogits, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
     if HAS_LOGIT_SCALE:
-        dlogits_rounded = _round_to(dlogits_rounded * logit_scale, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
+        dlogits_rounded = _round_to(
+            _scale_by(dlogits_rounded, logit_scale, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16
+        )
     if INTERPRETER_BF16:  # fp32 tiles holding bf16 values (see _logit_tile)
         dlogits_lowp = dlogits_rounded
     else:
@@ -226,7 +241,7 @@ def _lce_backward_kernel(
         # from the fp32 dlogits (as the chunked CPU path), times the scale
         bias_tile = tl.sum(dlogits, axis=0)
         if HAS_LOGIT_SCALE:
-            bias_tile = bias_tile * logit_scale
+            bias_tile = _scale_by(bias_tile, logit_scale, LOGIT_DIVIDES)
         tl.atomic_add(grad_bias_ptr + offs_v, bias_tile, mask=mask_v)
     if NEED_GRAD_HIDDEN or NEED_GRAD_WEIGHT:
         for h0 in range(0, hidden_size, BLOCK_H):
@@ -277,7 +292,8 @@ def _check_launchable(tensor: Tensor) -> bool:
     return _DECORATED_FOR_INTERPRETER
 
 
-def _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, ignore_index, interpret):
+def _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, logit_divisor, ignore_index,
+                    interpret):
     if interpret:  # small tiles: the interpreter runs numpy per program
         blocks = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=32)
     else:  # GPU defaults (not tuned on hardware here): 64 x 128 logit tiles, 64-wide hidden slices
@@ -294,9 +310,11 @@ def _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale,
         padding_index=PADDING_TARGET,
         label_smoothing=float(label_smoothing),
         softcap=float(softcap) if softcap is not None else 1.0,
-        logit_scale=float(logit_scale) if logit_scale is not None else 1.0,
+        # the kernels' one runtime factor: s, or d with LOGIT_DIVIDES
+        logit_scale=float(next((f for f in (logit_scale, logit_divisor) if f is not None), 1.0)),
         HAS_SOFTCAP=softcap is not None,
-        HAS_LOGIT_SCALE=logit_scale is not None,
+        HAS_LOGIT_SCALE=logit_scale is not None or logit_divisor is not None,
+        LOGIT_DIVIDES=logit_divisor is not None,
         HAS_SMOOTHING=float(label_smoothing) != 0.0,
         USE_LIBDEVICE_TANH=not interpret,
         # fp32 inputs: IEEE fp32 products, like torch's default (no TF32) matmul
@@ -316,6 +334,7 @@ def triton_lce_forward(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    logit_divisor: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token fp32 loss (0 at ignored tokens) and fp32 lse, [N] each."""
     interpret = _check_launchable(hidden_NH)
@@ -324,7 +343,8 @@ def triton_lce_forward(
     lse_N = torch.empty(num_tokens, dtype=torch.float32, device=hidden_NH.device)
     if num_tokens == 0:
         return loss_N, lse_N
-    options = _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, ignore_index, interpret)
+    options = _launch_options(
+        hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, logit_divisor, ignore_index, interpret)
     grid = (triton.cdiv(num_tokens, options["BLOCK_N"]),)
     _lce_forward_kernel[grid](
         hidden_NH, weight_VH, bias_V if bias_V is not None else hidden_NH, target_N.contiguous(), loss_N, lse_N,
@@ -345,6 +365,7 @@ def triton_lce_backward(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    logit_divisor: float | None = None,
     need_grad_hidden: bool = True,
     need_grad_weight: bool = True,
     need_grad_bias: bool = True,
@@ -360,7 +381,8 @@ def triton_lce_backward(
     grad_weight_acc = torch.zeros(vocab, hidden_size, dtype=torch.float32, device=device) if need_grad_weight else None
     grad_bias_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else None
     if num_tokens > 0 and (need_grad_hidden or need_grad_weight or need_grad_bias):
-        options = _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, ignore_index, interpret)
+        options = _launch_options(
+            hidden_NH, weight_VH, label_smoothing, softcap, logit_scale, logit_divisor, ignore_index, interpret)
         grid = (triton.cdiv(num_tokens, options["BLOCK_N"]), triton.cdiv(vocab, options["BLOCK_V"]))
         unused = lse_N  # placeholder pointer, never dereferenced when the matching NEED_* flag is off
         _lce_backward_kernel[grid](

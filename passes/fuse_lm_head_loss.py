@@ -106,7 +106,8 @@ class LMHeadLossMatch:
     reduction: str
     label_smoothing: float
     softcap: float | None
-    logit_scale: float | None
+    logit_scale: float | None    # logits * s
+    logit_divisor: float | None  # logits / d (rounds differently from * (1 / d))
     token_slices: list = field(default_factory=list)  # getitem indices applied to the logits
     chain: list = field(default_factory=list)         # nodes from the CE input back to the linear
 
@@ -177,8 +178,8 @@ def _softcap_of(node: fx.Node):
 
 
 def _logit_scale_of(node: fx.Node):
-    """``x * s``, ``s * x`` or ``x / d`` with a constant s (d) -> (s or 1 / d, x), else None.  A divisor whose
-    reciprocal is inexact (not a power of two) is refused: ``x / d`` and ``x * (1 / d)`` would round differently."""
+    """``x * s``, ``s * x`` or ``x / d`` with a constant s (d) -> (s, None, x) or (None, d, x), else None.  The
+    op divides by d as the model does (``x / 3`` and ``x * (1 / 3)`` round differently)."""
     is_mul = _is_function(node, operator.mul, torch.mul) or _is_method(node, "mul")
     is_div = _is_function(node, operator.truediv, torch.div) or _is_method(node, "div")
     if not (is_mul or is_div) or len(node.args) != 2 or node.kwargs:
@@ -191,13 +192,12 @@ def _logit_scale_of(node: fx.Node):
         return None
     factor = float(factor)
     if is_div:
-        if factor == 0.0 or not math.isfinite(factor) or math.frexp(abs(factor))[0] != 0.5:
-            raise _Refuse(CODES.logit_scale, f"logits divided by {factor:g}: only a power-of-two divisor (an exact reciprocal) is "
-                          "fused exactly")
-        factor = 1.0 / factor
+        if factor == 0.0 or not math.isfinite(factor):
+            raise _Refuse(CODES.logit_scale, f"logits divided by {factor:g}")
+        return None, factor, tensor
     if not math.isfinite(factor):
         raise _Refuse(CODES.logit_scale, f"logits scaled by {factor:g}")
-    return factor, tensor
+    return factor, None, tensor
 
 
 def _vocab_preserving_source(node: fx.Node, what: str) -> fx.Node | None:
@@ -224,14 +224,14 @@ def _vocab_preserving_source(node: fx.Node, what: str) -> fx.Node | None:
 
 
 def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
-    """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap, logit_scale)."""
-    chain, slices, softcap, logit_scale = [], [], None, None
+    """Follow the CE input back to the LM-head linear; returns (linear, chain, slices, softcap, (scale, divisor))."""
+    chain, slices, softcap, logit_scaling = [], [], None, (None, None)
     node = ce_input
     while True:
         if not isinstance(node, fx.Node):
             raise _Refuse(CODES.logits_source, "cross_entropy input is not a graph value")
         if _is_function(node, *_LINEAR_TARGETS):
-            return node, chain, slices, softcap, logit_scale
+            return node, chain, slices, softcap, logit_scaling
         if node.op == "placeholder":
             raise _Refuse(CODES.logits_source, "the logits come from outside this graph (a graph break between the LM head and the loss)")
         val = _val(node)
@@ -259,11 +259,11 @@ def _walk_to_linear(ce_input: fx.Node, vocab_hint: int | None):
             continue
         scaled = _logit_scale_of(node)
         if scaled is not None:
-            factor, source = scaled
+            *factors, source = scaled
             if not _is_function(source, *_LINEAR_TARGETS):
                 # the op scales the linear's output in its dtype, before any upcast, reshape or soft-cap
                 raise _Refuse(CODES.logit_scale, f"logits scaled by a constant at `{node.name}`, not directly on the lm_head output")
-            logit_scale, node = factor, source
+            logit_scaling, node = tuple(factors), source
             continue
         what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
         raise _Refuse(CODES.unsupported_op, f"op `{what}` between the lm_head linear and cross_entropy is not supported")
@@ -396,7 +396,7 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
 
     if is_nll:  # nll_loss(log_softmax(x)) is cross_entropy(x): fuse from the log-softmax's input
         ce_input, loss_side_nodes = _log_softmax_source(ce_input)
-    linear, chain, slices, softcap, logit_scale = _walk_to_linear(ce_input, in_val.shape[-1])
+    linear, chain, slices, softcap, (logit_scale, logit_divisor) = _walk_to_linear(ce_input, in_val.shape[-1])
     chain = loss_side_nodes + chain
     hidden, weight = linear.args[0], linear.args[1]
     bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
@@ -406,7 +406,7 @@ def _match_one(loss_node: fx.Node) -> LMHeadLossMatch:
     if not torch.is_floating_point(weight_val):
         raise _Refuse(CODES.lm_head_weight, "lm_head weight is not floating point")
     return LMHeadLossMatch(loss_node, linear, hidden, weight, bias, target, ignore_index, reduction,
-                           float(label_smoothing), softcap, logit_scale, slices, chain)
+                           float(label_smoothing), softcap, logit_scale, logit_divisor, slices, chain)
 
 
 def _predicted_bytes(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, chunk: int) -> dict:
@@ -474,6 +474,8 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                           label_smoothing=match.label_smoothing, softcap=match.softcap, chunk_size=chunk)
             if match.logit_scale is not None:
                 kwargs["logit_scale"] = match.logit_scale
+            if match.logit_divisor is not None:
+                kwargs["logit_divisor"] = match.logit_divisor
             fused = graph.call_function(linear_cross_entropy, (hidden, match.weight, target), kwargs)
             _set_meta(fused, linear_cross_entropy, (hidden, match.weight, target), kwargs, fake_mode)
         fused.meta["nn_module_stack"] = match.linear_node.meta.get("nn_module_stack", {})
@@ -501,6 +503,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             "dtype": str(hidden_val.dtype).replace("torch.", ""),
             "reduction": match.reduction, "ignore_index": match.ignore_index,
             "label_smoothing": match.label_smoothing, "softcap": match.softcap, "logit_scale": match.logit_scale,
+            "logit_divisor": match.logit_divisor,
             "bias": match.bias is not None, "chunk_size": chunk, "logits": logits_note,
             "sliced_tokens": (f"dim {shift[0]}: {shift[1]} before, {shift[2]} after, as ignored targets"
                               if shift else None),

@@ -87,9 +87,14 @@ def cohere_scaled(m, h, y):
 
 
 def granite_divided(m, h, y):
-    # Granite: logits = lm_head(h) / logits_scaling (a power of two: the same as * 1/8), then soft-capped here too
+    # Granite: logits = lm_head(h) / logits_scaling, then soft-capped here too
     logits = 3.0 * torch.tanh((m.lm_head(h) / 8.0) / 3.0)
     return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+
+
+def divided_by_three(m, h, y):
+    # a divisor without an exact reciprocal: the op divides, as the model does
+    return F.cross_entropy((m.lm_head(h) / 3.0).view(-1, V), y.view(-1))
 
 
 def classes_in_dim_one(m, h, y):
@@ -131,6 +136,7 @@ REWRITTEN = {
     "nll_method_log_softmax_none": (nll_method_log_softmax_none, False),
     "cohere_scale": (cohere_scaled, True),
     "granite_divisor_softcap": (granite_divided, False),
+    "divided_by_three": (divided_by_three, True),
     "nanogpt": (nanogpt_style, False),
     "torchtitan": (torchtitan_style, False),
     "hf": (hf_style, False),
@@ -175,6 +181,19 @@ def test_logit_scale_is_in_the_details():
     ids = torch.randint(0, V, (2, 9))
     cmodel(ids, ids)
     assert burstc.report(cmodel).rewrites[0].logit_scale == 0.0625
+    assert burstc.report(cmodel).rewrites[0].logit_divisor is None
+
+
+def test_logit_divisor_is_in_the_details():
+    model = Head(divided_by_three)
+    cmodel = burstc.compile(model, backend="aot_eager")
+    ids = torch.randint(0, V, (2, 9))
+    cmodel(ids, ids)
+    record = burstc.report(cmodel).rewrites[0]
+    assert (record.logit_scale, record.logit_divisor) == (None, 3.0)
+    fused = [n for n in burstc.report(cmodel).graphs["rewritten"].graph.nodes if n.op == "call_function"
+             and n.kwargs.get("logit_divisor") is not None]
+    assert len(fused) == 1 and fused[0].kwargs["logit_divisor"] == 3.0 and "logit_scale" not in fused[0].kwargs
 
 
 def test_details_of_rewrite():
@@ -284,10 +303,6 @@ def scaled_after_upcast(m, h, y):
     return F.cross_entropy((m.lm_head(h).float() * 0.5).view(-1, V), y.view(-1))
 
 
-def divided_by_three(m, h, y):
-    return F.cross_entropy((m.lm_head(h) / 3.0).view(-1, V), y.view(-1))
-
-
 def scaled_by_tensor(m, h, y):
     return F.cross_entropy((m.lm_head(h) * h.new_tensor(0.5)).view(-1, V), y.view(-1))
 
@@ -354,7 +369,6 @@ REFUSED = {
     "nll_without_log_softmax": (nll_without_log_softmax, CODES.log_softmax),
     "class_weights": (class_weights, CODES.loss_arguments),
     "scaled_after_upcast": (scaled_after_upcast, CODES.logit_scale),
-    "divided_by_three": (divided_by_three, CODES.logit_scale),
     "scaled_by_tensor": (scaled_by_tensor, CODES.unsupported_op),
     "sequence_as_classes": (sequence_as_classes, CODES.loss_shape),
     "float64_upcast": (float64_upcast, CODES.unsupported_op),

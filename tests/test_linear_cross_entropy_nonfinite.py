@@ -125,7 +125,7 @@ def nonfinite_cases(draw):
         ignore_fraction=draw(st.sampled_from([0.3, 0.6, 1.0])),
         label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1])),
         softcap=draw(st.sampled_from([None, None, 2.0])),
-        logit_scale=draw(st.sampled_from([None, None, 0.3])),
+        logit_scaling=draw(st.sampled_from([None, None, ("logit_scale", 0.3), ("logit_divisor", 6.0)])),
         chunk_size=draw(st.sampled_from([None, 1, 3]) | st.integers(1, 50)),
         # (a NaN in a valid row meets valid neighbours in one bf16 GEMM: fp32 only, see the module docstring)
         poison=draw(st.sampled_from(POISONS if dtype == torch.float32 else POISONS[:-1])),
@@ -143,7 +143,7 @@ def test_nonfinite_values_propagate_as_in_eager(case):
     carry a NaN) and the every-row path that accelerators take."""
     hidden, weight, target, bias = poisoned_inputs(case)
     options = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"], softcap=case["softcap"],
-                   logit_scale=case["logit_scale"])
+                   **dict([case["logit_scaling"]] if case["logit_scaling"] else []))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kernel, "_skips_rows", lambda device: not case["every_row"])
         check_against_eager(hidden, weight, target, bias, chunk_size=case["chunk_size"], **options)

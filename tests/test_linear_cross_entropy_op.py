@@ -71,12 +71,14 @@ def assert_close_nan_aware(actual, expected, *, rtol, atol, what=""):
 
 
 def gradient_term_magnitudes(hidden, weight, target, bias, grad_output, *, reduction="mean", normalizer=None,
-                             label_smoothing=0.0, softcap=None, logit_scale=None):
+                             label_smoothing=0.0, softcap=None, logit_scale=None, logit_divisor=None):
     """sum_k |term_k| for every entry of grad_hidden, grad_weight, grad_bias (fp64, from the exact softmax).
 
     |dlogits_nv| <= s_n (p_nv + (1 - eps) [v = t_n] + eps / V) |softcap'(x_nv)| |a| with s_n = d total / d loss_n
-    and a the logit scale.
+    and a the logit scale (1 / d for a divisor d).
     """
+    if logit_divisor is not None:
+        logit_scale = 1.0 / logit_divisor
     vocab, hidden_size = weight.shape
     hidden_NH = hidden.detach().reshape(-1, hidden_size).double()
     target_N = target.reshape(-1)
@@ -203,7 +205,8 @@ def lce_cases(draw):
         ignore_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
         label_smoothing=draw(st.sampled_from([0.0, 0.0, 0.1, 0.7])),
         softcap=draw(st.sampled_from([None, None, 2.0, 30.0])),
-        logit_scale=draw(st.sampled_from([None, None, None, 0.0625, 0.3, 2.5])),
+        logit_scaling=draw(st.sampled_from([None, None, None, ("logit_scale", 0.0625), ("logit_scale", 0.3),
+                                            ("logit_scale", 2.5), ("logit_divisor", 3.0), ("logit_divisor", 0.7)])),
         chunk_size=draw(st.sampled_from([None, 1, 3, 16]) | st.integers(1, 70)),
         leading=draw(st.sampled_from([None, "batch"])) if num_tokens % 2 == 0 else None,
         seed=draw(st.integers(0, 2**16)),
@@ -219,7 +222,7 @@ def test_matches_oracle(case):
         ignore_fraction=case["ignore_fraction"], seed=case["seed"], leading=leading,
     )
     options = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"], softcap=case["softcap"],
-                   logit_scale=case["logit_scale"])
+                   **dict([case["logit_scaling"]] if case["logit_scaling"] else []))
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias,
                                  chunk_size=case["chunk_size"], **options)
     expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
@@ -251,21 +254,41 @@ def test_matches_eager_cross_entropy_exactly_in_fp32_semantics():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("logit_scale", [0.0625, 0.3])
-def test_logit_scale_matches_eager(dtype, logit_scale):
-    """Cohere / Granite scale the logits in the model's dtype before the loss (``logits * s``): the loss equals
-    eager's on the same rounded products, the gradients within the dtype's tolerance."""
+@pytest.mark.parametrize("option, factor", [("logit_scale", 0.0625), ("logit_scale", 0.3), ("logit_divisor", 3.0),
+                                            ("logit_divisor", 6.0)])
+def test_logit_scale_and_divisor_match_eager(dtype, option, factor):
+    """Cohere scales the logits in the model's dtype before the loss (``logits * s``), Granite divides them
+    (``logits / logits_scaling``): the loss equals eager's on the same rounded results, the gradients eager's
+    and the fp64 oracle's (at the same rounded logits) within the dtype's tolerance."""
     hidden, weight, target, bias = make_inputs(45, 301, 40, dtype, has_bias=True, ignore_fraction=0.2, seed=4)
-    eager = F.cross_entropy((F.linear(hidden, weight, bias) * logit_scale).float(), target)
-    fused = linear_cross_entropy(hidden, weight, target, bias, logit_scale=logit_scale, chunk_size=8)
+    logits = F.linear(hidden, weight, bias)
+    eager = F.cross_entropy((logits * factor if option == "logit_scale" else logits / factor).float(), target)
+    fused = linear_cross_entropy(hidden, weight, target, bias, chunk_size=8, **{option: factor})
     unscaled = linear_cross_entropy(hidden, weight, target, bias, chunk_size=8)
     assert_close_nan_aware(fused, eager, rtol=2e-6, atol=2e-6, what="loss vs eager")
-    assert abs(float(fused) - float(unscaled)) > 1e-2  # the scale is applied, not dropped
+    assert abs(float(fused) - float(unscaled)) > 1e-2  # the factor is applied, not dropped
     eager_grads = torch.autograd.grad(eager, (hidden, weight, bias))
     fused_grads = torch.autograd.grad(fused, (hidden, weight, bias))
-    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(fused),
-                                          logit_scale=logit_scale)
+    magnitudes = gradient_term_magnitudes(hidden, weight, target, bias, grad_output_for(fused), **{option: factor})
     assert_grads_close(fused_grads, eager_grads, TOLERANCES[dtype], magnitudes)
+    oracle_loss, oracle_grads = loss_and_grads(oracle, hidden, weight, target, bias, **{option: factor})
+    assert_close_nan_aware(fused, oracle_loss.float(), rtol=2e-6, atol=2e-6, what="loss vs oracle")
+    assert_grads_close(fused_grads, oracle_grads, TOLERANCES[dtype], magnitudes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scale_logits_divides_bit_for_bit(dtype):
+    """A divisor is divided by, never inverted: ``x / 3`` and ``x * (1 / 3)`` differ in the last bit of some
+    entries (fp32: about a third of them here), and eager computes the quotient."""
+    from burstc.kernels.linear_cross_entropy import scale_logits
+
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype) * 7
+    assert torch.equal(scale_logits(x, None, 3.0), x / 3.0)
+    assert torch.equal(scale_logits(x.clone(), None, 3.0, in_place=True), x / 3.0)
+    assert torch.equal(scale_logits(x, 0.3, None), x * 0.3)
+    assert scale_logits(x, None, None) is x
+    if dtype != torch.bfloat16:  # (bf16 arithmetic runs in fp32 and rounds both to the same bf16 nearly always)
+        assert not torch.equal(x * (1.0 / 3.0), x / 3.0)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -384,6 +407,10 @@ def test_invalid_inputs_raise_clear_errors():
         linear_cross_entropy(hidden, weight, target, impl="cuda")
     with pytest.raises(ValueError, match="logit_scale"):
         linear_cross_entropy(hidden, weight, target, logit_scale=float("inf"))
+    with pytest.raises(ValueError, match="logit_divisor"):
+        linear_cross_entropy(hidden, weight, target, logit_divisor=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        linear_cross_entropy(hidden, weight, target, logit_scale=2.0, logit_divisor=3.0)
     with pytest.raises(ValueError, match="normalizer"):
         linear_cross_entropy(hidden, weight, target, normalizer=torch.ones(2))
     with pytest.raises(ValueError, match="label_smoothing"):

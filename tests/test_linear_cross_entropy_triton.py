@@ -49,6 +49,7 @@ from test_linear_cross_entropy_op import (  # noqa: E402
 )
 from test_linear_cross_entropy_op import make_inputs as make_cpu_inputs  # noqa: E402
 
+from burstc.kernels.linear_cross_entropy import scale_logits  # noqa: E402
 from burstc.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from burstc.testing.oracle import UNIT_ROUNDOFF, tolerance  # noqa: E402
 
@@ -107,19 +108,27 @@ def _grad_tolerance(dtype, max_abs_logit):
     )
 
 
-def _scaled_logits(hidden, weight, bias, softcap, logit_scale):
-    """fp64 logits at the input dtype's rounding: linear, then ``* logit_scale`` in the input dtype, then softcap."""
+def _scaling(value) -> dict:
+    """A case's logit scaling as the op's keywords: None, a scale s (``logits * s``) or "/d" (``logits / d``)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"logit_divisor": float(value.removeprefix("/"))}
+    return {"logit_scale": value}
+
+
+def _scaled_logits(hidden, weight, bias, softcap, scaling=None):
+    """fp64 logits at the input dtype's rounding: linear, then ``* s`` or ``/ d`` in the input dtype, then softcap."""
     logits = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
-    if logit_scale is not None:
-        logits = logits * logit_scale
+    logits = scale_logits(logits, _scaling(scaling).get("logit_scale"), _scaling(scaling).get("logit_divisor"))
     logits = logits.double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return logits
 
 
-def _max_abs_logit(hidden, weight, bias, softcap, logit_scale=None):
-    return float(_scaled_logits(hidden, weight, bias, softcap, logit_scale).abs().max())
+def _max_abs_logit(hidden, weight, bias, softcap, scaling=None):
+    return float(_scaled_logits(hidden, weight, bias, softcap, scaling).abs().max())
 
 
 def test_kernels_run_in_the_expected_mode():
@@ -129,9 +138,10 @@ def test_kernels_run_in_the_expected_mode():
     assert type(triton_kernels._lce_backward_kernel).__name__ == expected
 
 
-# (num_tokens, vocab, hidden, has_bias, label_smoothing, softcap, logit_scale): odd sizes that leave partial token,
-# vocab and hidden tiles (interpreter tiles are 16 x 32 x 32); Cohere-like (0.0625) and Granite-like (1 / 8 = 0.125,
-# with bias and smoothing; 0.3 with a softcap) logit scales
+# (num_tokens, vocab, hidden, has_bias, label_smoothing, softcap, scaling): odd sizes that leave partial token,
+# vocab and hidden tiles (interpreter tiles are 16 x 32 x 32); Cohere-like (0.0625) and other logit scales (1 / 8,
+# with bias and smoothing; 0.3 with a softcap); Granite-like divisors ("/6" with bias, "/3" with smoothing and a
+# softcap)
 CASES = [
     (1, 5, 3, False, 0.0, None, None),
     (17, 33, 17, True, 0.0, None, None),
@@ -141,6 +151,8 @@ CASES = [
     (23, 77, 20, False, 0.0, None, 0.0625),
     (33, 130, 24, True, 0.1, None, 0.125),
     (19, 64, 36, True, 0.0, 4.0, 0.3),
+    (21, 90, 28, True, 0.0, None, "/6"),
+    (26, 70, 18, False, 0.1, 5.0, "/3"),
 ]
 CASE_ID = "N{}-V{}-H{}-bias{}-eps{}-cap{}-scale{}".format
 
@@ -148,19 +160,19 @@ CASE_ID = "N{}-V{}-H{}-bias{}-eps{}-cap{}-scale{}".format
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: CASE_ID(*c))
 def test_forward_kernel_loss_and_lse(case, dtype):
-    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, logit_scale = case
+    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, scaling = case
     hidden, weight, target, bias = make_inputs(num_tokens, vocab, hidden_size, dtype, has_bias=has_bias,
                                                ignore_fraction=0.25, seed=num_tokens)
     loss_N, lse_N = triton_kernels.triton_lce_forward(
         hidden.detach(), weight.detach(), target, None if bias is None else bias.detach(),
-        label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+        label_smoothing=label_smoothing, softcap=softcap, **_scaling(scaling),
     )
     assert loss_N.dtype == lse_N.dtype == torch.float32 and loss_N.shape == lse_N.shape == (num_tokens,)
     expected_loss = oracle(hidden, weight, target, bias, reduction="none", label_smoothing=label_smoothing,
-                           softcap=softcap, logit_scale=logit_scale)
-    expected_lse = torch.logsumexp(_scaled_logits(hidden, weight, bias, softcap, logit_scale), dim=1)
+                           softcap=softcap, **_scaling(scaling))
+    expected_lse = torch.logsumexp(_scaled_logits(hidden, weight, bias, softcap, scaling), dim=1)
     loss_tolerance = tolerance(dtype, "triton_fused_loss")
-    atol = loss_tolerance.atol * max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
+    atol = loss_tolerance.atol * max(1.0, _max_abs_logit(hidden, weight, bias, softcap, scaling))
     assert_close_nan_aware(loss_N, expected_loss, rtol=loss_tolerance.rtol, atol=atol, what="per-token loss")
     assert_close_nan_aware(lse_N, expected_lse, rtol=loss_tolerance.rtol, atol=atol, what="lse")
     assert bool((loss_N[target == -100] == 0).all())
@@ -170,13 +182,13 @@ def test_forward_kernel_loss_and_lse(case, dtype):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("case", CASES[1:], ids=lambda c: CASE_ID(*c))
 def test_triton_op_loss_and_grads(case, reduction, dtype):
-    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, logit_scale = case
+    num_tokens, vocab, hidden_size, has_bias, label_smoothing, softcap, scaling = case
     hidden, weight, target, bias = make_inputs(num_tokens, vocab, hidden_size, dtype, has_bias=has_bias,
                                                ignore_fraction=0.25, seed=num_tokens + 1)
-    options = dict(reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale)
+    options = dict(reduction=reduction, label_smoothing=label_smoothing, softcap=softcap, **_scaling(scaling))
     loss, grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton", **options)
     expected_loss, expected_grads = loss_and_grads(oracle, hidden, weight, target, bias, **options)
-    max_logit = max(1.0, _max_abs_logit(hidden, weight, bias, softcap, logit_scale))
+    max_logit = max(1.0, _max_abs_logit(hidden, weight, bias, softcap, scaling))
     loss_tolerance = tolerance(dtype, "triton_fused_loss")
     # per-token atol; a sum of n tokens accumulates up to n of them, a mean averages them
     tokens_in_loss = int((target != -100).sum()) if reduction == "sum" else 1
@@ -235,10 +247,10 @@ def test_triton_nonfinite_values_propagate_as_in_eager(poison):
         assert torch.isfinite(grads[1]).all() and torch.isfinite(grads[2]).all()
 
 
-@pytest.mark.parametrize("logit_scale", [None, 0.3])
-def test_triton_matches_chunked_torch_path(logit_scale):
+@pytest.mark.parametrize("scaling", [None, 0.3, "/3"])
+def test_triton_matches_chunked_torch_path(scaling):
     hidden, weight, target, bias = make_inputs(40, 150, 24, torch.float32, has_bias=True, ignore_fraction=0.2, seed=3)
-    options = dict(label_smoothing=0.1, softcap=10.0, logit_scale=logit_scale)
+    options = dict(label_smoothing=0.1, softcap=10.0, **_scaling(scaling))
     triton_loss, triton_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="triton",
                                                **options)
     torch_loss, torch_grads = loss_and_grads(linear_cross_entropy, hidden, weight, target, bias, impl="torch",

@@ -319,8 +319,8 @@ def test_next_token_shift_inside_the_model_is_sharded(workers, world_size, layou
 @pytest.mark.parametrize("style, reduction, world_size", [
     ("nll", "mean", 2), ("classes_in_dim_1", "none", 3)])
 def test_unfused_nll_and_sequence_layout_losses_are_sharded(workers, style, reduction, world_size):
-    """Left unfused (here: the fusion off; in models, e.g. logits divided by a constant whose reciprocal is
-    inexact), ``nll_loss(log_softmax(logits))`` on flattened tokens and cross-entropy on CE's ``[B, V, S]`` layout
+    """Left unfused (here: the fusion off; in models, e.g. logits scaled after their upcast or by a tensor),
+    ``nll_loss(log_softmax(logits))`` on flattened tokens and cross-entropy on CE's ``[B, V, S]`` layout
     shard like ``cross_entropy`` on ``[tokens, V]``: per-token losses of the local rows, gathered, reduced."""
     results = assert_equivalent(functools.partial(zoo.nanogpt_loss_style, style, reduction), zoo.nanogpt_inputs,
                                 zoo.loss_style_loss, world_size=world_size, group=workers.get(world_size),

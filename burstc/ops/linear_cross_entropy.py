@@ -64,35 +64,40 @@ def _fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_g
     )
 
 
-def _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, chunk_size, impl):
+def _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, logit_divisor,
+                  chunk_size, impl):
     if impl == "triton":
         from burstc.kernels.linear_cross_entropy_triton import triton_lce_forward
 
         return triton_lce_forward(
             hidden, weight, target, bias,
             ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+            logit_divisor=logit_divisor,
         )
     loss_N, lse_N, *_ = chunked_linear_cross_entropy(
         hidden, weight, target, bias,
-        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+        logit_divisor=logit_divisor, chunk_size=chunk_size,
     )
     return loss_N, lse_N
 
 
 def _grads_impl(hidden, weight, target, bias, lse, token_grad_scale, ignore_index, label_smoothing, softcap, logit_scale,
-                chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
+                logit_divisor, chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
     if impl == "triton":
         from burstc.kernels.linear_cross_entropy_triton import triton_lce_backward
 
         return triton_lce_backward(
             hidden, weight, target, bias, lse, token_grad_scale,
             ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+            logit_divisor=logit_divisor,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
         )
     _, _, grad_hidden, grad_weight, grad_bias = chunked_linear_cross_entropy(
         hidden, weight, target, bias,
         token_grad_scale_N=token_grad_scale,  # the CPU path recomputes lse with the fused softmax
-        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+        logit_divisor=logit_divisor, chunk_size=chunk_size,
         need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
     )
     return grad_hidden, grad_weight, grad_bias
@@ -112,6 +117,7 @@ def _with_grads_impl(
     label_smoothing: float,
     softcap: float | None,
     logit_scale: float | None,
+    logit_divisor: float | None,
     chunk_size: int,
     impl: str,
     need_grad_hidden: bool,
@@ -129,16 +135,17 @@ def _with_grads_impl(
     token_grad_scale = torch.reciprocal(normalizer).expand(num_tokens)
     if impl == "triton":
         loss_N, lse_N = _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap,
-                                      logit_scale, chunk_size, impl)
+                                      logit_scale, logit_divisor, chunk_size, impl)
         grad_hidden, grad_weight, grad_bias = _grads_impl(
             hidden, weight, target, bias, lse_N, token_grad_scale, ignore_index, label_smoothing, softcap, logit_scale,
-            chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias,
+            logit_divisor, chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias,
         )
     else:
         loss_N, _, grad_hidden, grad_weight, grad_bias = chunked_linear_cross_entropy(
             hidden, weight, target, bias,
             token_grad_scale_N=token_grad_scale,
-            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale, chunk_size=chunk_size,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, logit_scale=logit_scale,
+            logit_divisor=logit_divisor, chunk_size=chunk_size,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, need_grad_bias=need_grad_bias,
         )
     loss = loss_N.sum() / normalizer
@@ -152,7 +159,8 @@ _lce_with_grads = torch.library.custom_op(
 
 @_lce_with_grads.register_fake
 def _lce_with_grads_fake(hidden, weight, target, bias, normalizer, ignore_index, label_smoothing, softcap,
-                         logit_scale, chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
+                         logit_scale, logit_divisor, chunk_size, impl, need_grad_hidden, need_grad_weight,
+                         need_grad_bias):
     loss = torch.empty((), dtype=_loss_dtype(hidden.dtype), device=hidden.device)
     return (loss, *_fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias))
 
@@ -173,7 +181,7 @@ def _lce_with_grads_backward(ctx, grad_loss, _grad_gh, _grad_gw, _grad_gb):
     grad_hidden, grad_weight, grad_bias, loss, normalizer = ctx.saved_tensors
     needs = ctx.needs_input_grad
     if grad_loss is None:  # not materialized (see setup): the loss did not reach the differentiated output
-        return (None,) * 14
+        return (None,) * 15
     # the forward already holds d loss / d (hidden, weight, bias); the chain rule only scales them
     grad_normalizer = None
     if needs[4]:
@@ -184,7 +192,7 @@ def _lce_with_grads_backward(ctx, grad_loss, _grad_gh, _grad_gw, _grad_gb):
         None,
         _scaled(grad_bias, grad_loss) if needs[3] else None,
         grad_normalizer,
-        None, None, None, None, None, None, None, None, None,
+        None, None, None, None, None, None, None, None, None, None,
     )
 
 
@@ -222,6 +230,7 @@ def _forward_op_impl(
     label_smoothing: float,
     softcap: float | None,
     logit_scale: float | None,
+    logit_divisor: float | None,
     chunk_size: int,
     impl: str,
 ) -> tuple[Tensor, Tensor]:
@@ -230,7 +239,7 @@ def _forward_op_impl(
     lse is auxiliary (not differentiable); the CPU path skips ignored tokens and leaves their lse at 0.
     """
     loss_N, lse_N = _forward_impl(hidden, weight, target, bias, ignore_index, label_smoothing, softcap,
-                                  logit_scale, chunk_size, impl)
+                                  logit_scale, logit_divisor, chunk_size, impl)
     return loss_N, lse_N
 
 
@@ -238,7 +247,8 @@ _lce_forward = torch.library.custom_op("burstc::linear_cross_entropy_forward", w
 
 
 @_lce_forward.register_fake
-def _lce_forward_fake(hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, chunk_size, impl):
+def _lce_forward_fake(hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, logit_divisor,
+                      chunk_size, impl):
     num_tokens = hidden.shape[0]
     dtype = _loss_dtype(hidden.dtype)
     return (
@@ -258,6 +268,7 @@ def _backward_op_impl(
     label_smoothing: float,
     softcap: float | None,
     logit_scale: float | None,
+    logit_divisor: float | None,
     chunk_size: int,
     impl: str,
     need_grad_hidden: bool,
@@ -267,7 +278,7 @@ def _backward_op_impl(
     """Gradients of sum_n grad_loss_n * loss_n (recomputing logit chunks); [0] tensors where not needed."""
     grad_hidden, grad_weight, grad_bias = _grads_impl(
         hidden, weight, target, bias, lse, grad_loss, ignore_index, label_smoothing, softcap, logit_scale,
-        chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias,
+        logit_divisor, chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias,
     )
     return _grads_or_empty(hidden, weight, bias, (grad_hidden, grad_weight, grad_bias))
 
@@ -279,24 +290,26 @@ _lce_backward = torch.library.custom_op(
 
 @_lce_backward.register_fake
 def _lce_backward_fake(grad_loss, hidden, weight, target, bias, lse, ignore_index, label_smoothing, softcap,
-                       logit_scale, chunk_size, impl, need_grad_hidden, need_grad_weight, need_grad_bias):
+                       logit_scale, logit_divisor, chunk_size, impl, need_grad_hidden, need_grad_weight,
+                       need_grad_bias):
     return _fake_grads(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias)
 
 
 def _lce_forward_setup(ctx, inputs, output):
-    hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, chunk_size, impl = inputs
+    (hidden, weight, target, bias, ignore_index, label_smoothing, softcap, logit_scale, logit_divisor, chunk_size,
+     impl) = inputs
     _, lse = output
     ctx.mark_non_differentiable(lse)  # auxiliary output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, target, bias, lse)
-    ctx.options = (ignore_index, label_smoothing, softcap, logit_scale, chunk_size, impl)
+    ctx.options = (ignore_index, label_smoothing, softcap, logit_scale, logit_divisor, chunk_size, impl)
     ctx.has_bias = bias is not None
 
 
 def _lce_forward_backward(ctx, grad_loss, _grad_lse):
     hidden, weight, target, bias, lse = ctx.saved_tensors
     if grad_loss is None:  # not materialized: the per-token losses did not reach the differentiated output
-        return (None,) * 10
+        return (None,) * 11
     needs = ctx.needs_input_grad
     need_grad_bias = ctx.has_bias and needs[3]
     grad_hidden, grad_weight, grad_bias = _lce_backward(
@@ -307,7 +320,7 @@ def _lce_forward_backward(ctx, grad_loss, _grad_lse):
         grad_weight if needs[1] else None,
         None,
         grad_bias if need_grad_bias else None,
-        None, None, None, None, None, None,
+        None, None, None, None, None, None, None,
     )
 
 
@@ -326,8 +339,8 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-def _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothing, softcap, logit_scale, chunk_size, impl,
-              class_weight):
+def _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothing, softcap, logit_scale, logit_divisor,
+              chunk_size, impl, class_weight):
     if class_weight is not None:
         raise NotImplementedError(
             "linear_cross_entropy: per-class weights (F.cross_entropy(weight=...)) are not supported by the fused "
@@ -379,6 +392,11 @@ def _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothi
         raise ValueError(f"linear_cross_entropy: softcap must be > 0 or None, got {softcap}")
     if logit_scale is not None and not math.isfinite(float(logit_scale)):
         raise ValueError(f"linear_cross_entropy: logit_scale must be a finite number or None, got {logit_scale}")
+    if logit_divisor is not None and not (math.isfinite(float(logit_divisor)) and float(logit_divisor) != 0.0):
+        raise ValueError(
+            f"linear_cross_entropy: logit_divisor must be a finite non-zero number or None, got {logit_divisor}")
+    if logit_scale is not None and logit_divisor is not None:
+        raise ValueError("linear_cross_entropy: give logit_scale or logit_divisor, not both")
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0):
         raise ValueError(f"linear_cross_entropy: chunk_size must be a positive int or None, got {chunk_size!r}")
 
@@ -395,6 +413,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     logit_scale: float | None = None,
+    logit_divisor: float | None = None,
     chunk_size: int | None = None,
     impl: str = "auto",
     class_weight: Tensor | None = None,
@@ -415,7 +434,10 @@ def linear_cross_entropy(
         label_smoothing: eps in [0, 1]: loss = (1 - eps)(lse - z_t) + eps(lse - mean_v z_v), as F.cross_entropy.
         softcap: c > 0: logits z = c * tanh(x / c) (in fp32) before the loss.
         logit_scale: s: the linear's output is multiplied by s in the input dtype (rounded there, as eager's
-            ``logits * s`` of Cohere / Granite models), before the upcast and the softcap.
+            ``logits * s`` of Cohere models), before the upcast and the softcap.
+        logit_divisor: d: the linear's output is divided by d in the input dtype (Granite's ``logits /
+            logits_scaling``): ``x / d`` and ``x * (1 / d)`` can differ in the last bit unless d is a power
+            of two, so the kernels divide, in the forward and in the chain rule of the backward, as eager does.
         chunk_size: tokens per chunk of the CPU/torch path (default: :func:`default_chunk_size`).
         impl: ``"auto"`` (Triton on CUDA, chunked torch elsewhere), ``"torch"`` or ``"triton"`` (on CPU only under
             TRITON_INTERPRET=1).
@@ -431,8 +453,8 @@ def linear_cross_entropy(
     """
     if isinstance(hidden, Tensor):
         hidden, weight, bias = cast_like_lower_precision((hidden, weight, bias), hidden.device.type)
-    _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothing, softcap, logit_scale, chunk_size, impl,
-              class_weight)
+    _validate(hidden, weight, target, bias, reduction, normalizer, label_smoothing, softcap, logit_scale, logit_divisor,
+              chunk_size, impl, class_weight)
     hidden_size = hidden.shape[-1]
     vocab = weight.shape[0]
     hidden_NH = hidden.reshape(-1, hidden_size)
@@ -441,12 +463,13 @@ def linear_cross_entropy(
         target_N = target_N.long()
     resolved_impl = _resolve_impl(impl, hidden.device)
     logit_scale = None if logit_scale is None or float(logit_scale) == 1.0 else float(logit_scale)
+    logit_divisor = None if logit_divisor is None or float(logit_divisor) == 1.0 else float(logit_divisor)
     if chunk_size is None:
         # from N only when it is a concrete int: a dynamic (symbolic) token count must not specialize
         num_tokens = hidden_NH.shape[0] if type(hidden_NH.shape[0]) is int else None
         chunk_size = default_chunk_size(num_tokens, vocab, hidden_size, hidden.dtype, softcap=softcap is not None)
     options = (int(ignore_index), float(label_smoothing), None if softcap is None else float(softcap),
-               logit_scale, int(chunk_size), resolved_impl)
+               logit_scale, logit_divisor, int(chunk_size), resolved_impl)
     loss_dtype = _loss_dtype(hidden.dtype)
 
     if reduction == "none":

@@ -44,7 +44,7 @@ _HF_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_
                 num_key_value_heads=2, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
                 n_positions=64, ffn_dim=64, word_embed_proj_dim=32, moe_intermediate_size=32, num_experts=4,
                 num_local_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=32, rotary_dim=4,
-                pad_token_id=0, logits_scaling=8.0)  # Granite divides its logits by it (default 1)
+                pad_token_id=0, logits_scaling=6.0)  # Granite divides its logits by it (default 1; 1 / 6 is inexact)
 _DEEPSEEK_TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
                       num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, kv_lora_rank=16,
