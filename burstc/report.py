@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 # the graphs every record has; between "captured" and "rewritten" it holds one graph per Dynamo-stage pass
 # that ran (keyed by pass name), and after "forward"/"backward" one per AOT-stage pass
@@ -14,11 +15,15 @@ _CELL_WIDTH = 72  # detail-table cells wider than this fold onto more lines
 
 
 def snapshot_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm``'s graph (node meta shared, not deep-copied) that later passes can't mutate."""
+    """A copy of ``gm``'s graph (node meta shared, not deep-copied) that later passes can't mutate.
+
+    Lazy: its Python code is generated when first read or called (``.code``, ``str``, a call), not here. A
+    compile takes a dozen snapshots (every stage and pass, for the report) and reads few of them: generating
+    each one's code was ~0.19 s of a 4.7 s two-layer HF Llama compile."""
     graph = fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    copy = fx.GraphModule(gm, graph)
+    copy = _LazyGraphModule(gm, graph)
     copy.meta = dict(getattr(gm, "meta", {}))
     return copy
 
