@@ -370,6 +370,8 @@ class AttentionMatch:
     # gpt-oss's attention sinks: a [1, H, 1, 1] node of per-head logits that join each row's softmax as one more
     # key with a zero value (out = softmax-over-keys output * sigmoid(lse - sink)); None without
     sink: Any = None
+    # the dtype autocast's matmuls ran the attention in (its q, k, v were cast to it in the graph), None without
+    cast_to: Any = None
 
     @property
     def mask_description(self) -> str:

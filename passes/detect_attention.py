@@ -183,6 +183,10 @@ def _cast_in_graph(gm, tensors, dtype, fake_mode) -> list:
     return cast
 
 
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def _autocast_dtype(node: fx.Node, inputs) -> torch.dtype | None:
     """The autocast dtype an attention ran in: its output's low-precision float dtype where some of its
     float ``inputs`` are fp32 (only autocast mixes them in a matmul or SDPA) -> None otherwise (a bool mask
@@ -660,7 +664,7 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             if _undo_repeat_kv(gm, node, fake_mode):
                 notes = ("repeat_kv undone: kv heads travel unrepeated",)
                 unrepeated += 1
-            match = _match_of(node, origin, refusal, notes, "sdpa", spec)
+            match = dataclasses.replace(_match_of(node, origin, refusal, notes, "sdpa", spec), cast_to=autocast)
             mask = sdpa_kwargs(node)["attn_mask"]
             if spec is not None and spec.term(KeyPadding) is not None and isinstance(mask, fx.Node) \
                     and val(mask) is not None and val(mask).is_floating_point():
@@ -669,10 +673,11 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 # probabilities from an LSE the fill absorbs too: S times the softmax's that "uniform" mirrors)
                 match = dataclasses.replace(match, float_fill=True)
             context.facts.attention[node] = match
-            if origin == _FOLDED or notes:  # the node changed (a kept attn_mask is recorded in the match only)
+            if origin == _FOLDED or notes or autocast:  # the node changed (a kept attn_mask: in the match only)
                 folded += origin == _FOLDED
                 context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
-                                                                 "notes": ", ".join(notes) or None})
+                                                                 "notes": ", ".join(notes) or None,
+                                                                 "cast_to": _dtype_name(autocast)})
             continue
         if is_flex_attention(node):
             match = flex_match(gm, flex_call(gm, node))
@@ -686,6 +691,11 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
             node = _unbatch_heads(gm, node, fake_mode) or node
         found = _match_manual(gm, node)
         match = _detect_manual(gm, node, found, context, fake_mode, memo) if found is not None else None
+        if found is not None and found["autocast"] is not None:  # recorded under the SDPA or the node as written
+            recorded = match.node if match is not None else node
+            if recorded in context.facts.attention:
+                context.facts.attention[recorded] = dataclasses.replace(context.facts.attention[recorded],
+                                                                        cast_to=found["autocast"])
         if match is not None:
             manual += 1
             unrepeated += bool(match.notes)

@@ -249,6 +249,8 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             "local_tokens": analyzer.s,
             "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
+            # autocast's matmuls: the ring runs on q, k, v cast to that dtype in the graph (as autocast casts them)
+            "cast_to": str(match.cast_to).removeprefix("torch.") if match and match.cast_to else None,
             "predicted_bytes": chosen.sent,
             "bytes_bound": chosen.bound,
             "bytes_over_bound": {k: round(x, 4) for k, x in chosen.over_bound.items()},

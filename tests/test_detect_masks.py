@@ -515,6 +515,8 @@ def test_attention_under_autocast_runs_on_the_inputs_autocast_casts(style):
     from burstc.passes.graph_utils import val
 
     assert [val(t).dtype for t in (match.query, match.key, match.value)] == [torch.bfloat16] * 3
+    # the report's cast_to: q, k, v cast for autocast's matmuls (bf16 already: only the mask was cast)
+    assert match.cast_to == (None if style == "bf16_qkv" else torch.bfloat16)
     assert all(n.target == "to" for n in (match.query, match.key)) and got.dtype == want.dtype == torch.bfloat16
     if match.node.target is SDPA and style != "sdpa":  # the fp32 mask went in cast to bf16, a bool one as it was
         expected = torch.bool if style == "sdpa_bool_mask" else torch.bfloat16

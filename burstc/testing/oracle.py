@@ -307,6 +307,7 @@ def equivalence_task(rank: int, world_size: int, model_fn: Callable, inputs_fn: 
         "skipped": [(s.kind, s.reason) for s in report.skipped],
         "skip_codes": [s.code for s in report.skipped],
         "attention_masks": [r.details.get("mask") for r in report.rewrites if r.kind == "attention"],
+        "attention_casts": [r.details.get("cast_to") for r in report.rewrites if r.kind == "attention"],
         "hidden_rows": [r.details.get("hidden_rows") for r in report.rewrites if r.kind == "attention"],
         "padded_to": next((r.details.get("padded_to") for r in report.rewrites if r.kind == "shard"), None),
         "shard_details": next((r.details for r in report.rewrites if r.kind == "shard"), None),
