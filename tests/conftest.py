@@ -17,14 +17,40 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture(scope="module")
-def workers(request):
-    """One :class:`WorkerPool` per test module (``pool.get(P)`` starts the P-rank group on first use), reused
-    by every test and hypothesis example of the module.  A module sets ``WORKER_RUN_TIMEOUT_S`` to change
-    its groups' per-task timeout."""
-    run_timeout_s = getattr(request.module, "WORKER_RUN_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S)
-    with WorkerPool(run_timeout_s=run_timeout_s) as pool:
+# the longest per-task timeout a module asks for (WORKER_RUN_TIMEOUT_S): the groups' collective timeout
+_LONGEST_RUN_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="session")
+def _worker_pool():
+    """The session's gloo worker groups: a P-rank group starts once (~6 s for 2 ranks, ~12 s for 4 on two cores:
+    spawning, imports, Dynamo's first compile) and serves every module; at most 9 worker processes idle."""
+    with WorkerPool(max_ranks=9, collective_timeout_s=_LONGEST_RUN_TIMEOUT_S) as pool:
         yield pool
+
+
+class _ModuleWorkers:
+    """The session's pool as one module sees it: its groups run with the module's per-task timeout."""
+
+    def __init__(self, pool: WorkerPool, run_timeout_s: float):
+        self._pool, self._run_timeout_s = pool, run_timeout_s
+
+    def get(self, world_size: int):
+        group = self._pool.get(world_size)
+        group.run_timeout_s = self._run_timeout_s
+        return group
+
+
+@pytest.fixture(scope="module")
+def workers(request, _worker_pool):
+    """The worker groups (``workers.get(P)`` starts the P-rank group on first use), shared by every module and
+    hypothesis example; a module sets ``WORKER_RUN_TIMEOUT_S`` to change its per-task timeout.  After each
+    module, a group that no longer runs one collective in step is stopped (the next ``get`` starts a fresh
+    one): a module that stalls or kills ranks leaves nothing behind."""
+    run_timeout_s = getattr(request.module, "WORKER_RUN_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S)
+    assert run_timeout_s <= _LONGEST_RUN_TIMEOUT_S, "raise _LONGEST_RUN_TIMEOUT_S (the collective timeout) too"
+    yield _ModuleWorkers(_worker_pool, run_timeout_s)
+    _worker_pool.check_health()
 
 
 def pytest_collection_modifyitems(config, items):

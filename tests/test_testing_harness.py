@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from burstc.testing import WorkerError, WorkerGroup, WorkerGroupDead, get_worker_group
+from burstc.testing import WorkerError, WorkerGroup, WorkerGroupDead, WorkerPool, get_worker_group
 
 pytestmark = pytest.mark.multirank
 
@@ -129,3 +129,29 @@ def test_session_cache_returns_same_group():
     group = get_worker_group(1)
     assert get_worker_group(1) is group
     assert group.run(_kwargs_echo, value=3) == [3]
+
+
+def _leave_a_collective_pending(rank, world_size):
+    # rank 1 starts an all-reduce it never waits for and rank 0 never joins: the group is out of step
+    if rank == 1:
+        dist.all_reduce(torch.ones(1), async_op=True)
+    return rank
+
+
+def test_pool_stops_the_least_recently_used_groups_beyond_max_ranks():
+    with WorkerPool(max_ranks=4, run_timeout_s=60) as pool:
+        one, two = pool.get(1), pool.get(2)
+        assert pool.get(1) is one  # now the most recently used
+        three = pool.get(3)  # 1 + 2 + 3 ranks > 4: the two-rank group stops, the one-rank group stays
+        assert one.alive and three.alive and not two.alive
+        assert three.run(_kwargs_echo, value=1) == [1, 2, 3] and one.run(_kwargs_echo, value=2) == [2]
+
+
+def test_health_check_stops_only_the_groups_out_of_step():
+    with WorkerPool(run_timeout_s=60) as pool:
+        healthy, broken = pool.get(1), pool.get(2)
+        assert pool.check_health(timeout_s=5.0) == []
+        broken.run(_leave_a_collective_pending)
+        assert pool.check_health(timeout_s=5.0) == [2]
+        assert healthy.alive and not broken.alive
+        assert pool.get(2) is not broken and pool.get(2).run(_kwargs_echo, value=1) == [1, 2]

@@ -269,21 +269,48 @@ class WorkerGroup:
             pass
 
 
+def _all_reduce_ranks(rank: int, world_size: int) -> int:
+    total = torch.tensor([rank + 1], dtype=torch.int64)
+    dist.all_reduce(total)
+    return int(total)
+
+
 class WorkerPool:
     """Lazily started :class:`WorkerGroup` per world size; ``get`` restarts a group torn down by
-    an earlier failure."""
+    an earlier failure.  ``max_ranks``: starting a group stops the least recently used others until at most
+    that many worker processes are alive (idle workers hold their imports and caches: ~0.5 GB each)."""
 
-    def __init__(self, **group_kwargs):
+    def __init__(self, *, max_ranks: int | None = None, **group_kwargs):
         self._group_kwargs = group_kwargs
-        self._groups: dict[int, WorkerGroup] = {}
+        self._max_ranks = max_ranks
+        self._groups: dict[int, WorkerGroup] = {}  # least recently used first
 
     def get(self, world_size: int) -> WorkerGroup:
-        group = self._groups.get(world_size)
+        group = self._groups.pop(world_size, None)
         if group is None or not group.alive:
             if group is not None:
                 group.shutdown()
-            group = self._groups[world_size] = WorkerGroup(world_size, **self._group_kwargs)
+            if self._max_ranks is not None:
+                while self._groups and sum(self._groups) + world_size > self._max_ranks:
+                    self._groups.pop(next(iter(self._groups))).shutdown()
+            group = WorkerGroup(world_size, **self._group_kwargs)
+        self._groups[world_size] = group
         return group
+
+    def check_health(self, timeout_s: float = 30.0) -> list[int]:
+        """Stop every group that no longer answers one collective in step (a task that stalled a rank or left a
+        collective half-done); returns the world sizes stopped.  Run between users of a shared pool."""
+        stopped = []
+        for world_size, group in list(self._groups.items()):
+            try:
+                healthy = group.alive and group.run(_all_reduce_ranks, timeout=timeout_s) == (
+                    [world_size * (world_size + 1) // 2] * world_size)
+            except Exception:
+                healthy = False
+            if not healthy:
+                self._groups.pop(world_size).shutdown()
+                stopped.append(world_size)
+        return stopped
 
     def shutdown(self) -> None:
         for group in self._groups.values():
