@@ -19,13 +19,18 @@ def _fresh_dynamo():
 
 # the longest per-task timeout a module asks for (WORKER_RUN_TIMEOUT_S): the groups' collective timeout
 _LONGEST_RUN_TIMEOUT_S = 300.0
+# a worker grown past this (~2x a fresh one after its first HF compile) is replaced after the module: every
+# compile leaves some memory behind, and in a grown worker each gc.collect() (and the gc passes inside a
+# compile) walks it all (a test collecting between calls ran 2-3x slower in workers that had served a few modules)
+_MAX_WORKER_RSS_MIB = 1024
 
 
 @pytest.fixture(scope="session")
 def _worker_pool():
     """The session's gloo worker groups: a P-rank group starts once (~6 s for 2 ranks, ~12 s for 4 on two cores:
-    spawning, imports, Dynamo's first compile) and serves every module; at most 9 worker processes idle."""
-    with WorkerPool(max_ranks=9, collective_timeout_s=_LONGEST_RUN_TIMEOUT_S) as pool:
+    spawning, imports, Dynamo's first compile) and serves every module; at most 10 worker processes idle (groups
+    of 1 to 4 ranks at once: hypothesis tests draw the world size)."""
+    with WorkerPool(max_ranks=10, collective_timeout_s=_LONGEST_RUN_TIMEOUT_S) as pool:
         yield pool
 
 
@@ -50,7 +55,7 @@ def workers(request, _worker_pool):
     run_timeout_s = getattr(request.module, "WORKER_RUN_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S)
     assert run_timeout_s <= _LONGEST_RUN_TIMEOUT_S, "raise _LONGEST_RUN_TIMEOUT_S (the collective timeout) too"
     yield _ModuleWorkers(_worker_pool, run_timeout_s)
-    _worker_pool.check_health()
+    _worker_pool.check_health(max_rss_mib=_MAX_WORKER_RSS_MIB)
 
 
 def pytest_collection_modifyitems(config, items):

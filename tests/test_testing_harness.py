@@ -155,3 +155,5 @@ def test_health_check_stops_only_the_groups_out_of_step():
         assert pool.check_health(timeout_s=5.0) == [2]
         assert healthy.alive and not broken.alive
         assert pool.get(2) is not broken and pool.get(2).run(_kwargs_echo, value=1) == [1, 2]
+        # and groups whose workers grew past a memory limit (every worker holds more than 1 MiB)
+        assert sorted(pool.check_health(timeout_s=5.0, max_rss_mib=1.0)) == [1, 2] and not healthy.alive

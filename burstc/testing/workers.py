@@ -269,10 +269,13 @@ class WorkerGroup:
             pass
 
 
-def _all_reduce_ranks(rank: int, world_size: int) -> int:
+def _all_reduce_ranks(rank: int, world_size: int) -> tuple[int, float]:
+    """(sum of rank + 1 over the group, this worker's resident memory in MiB)."""
     total = torch.tensor([rank + 1], dtype=torch.int64)
     dist.all_reduce(total)
-    return int(total)
+    with open("/proc/self/status") as status:
+        rss_kib = next((int(line.split()[1]) for line in status if line.startswith("VmRSS:")), 0)
+    return int(total), rss_kib / 1024
 
 
 class WorkerPool:
@@ -297,14 +300,19 @@ class WorkerPool:
         self._groups[world_size] = group
         return group
 
-    def check_health(self, timeout_s: float = 30.0) -> list[int]:
+    def check_health(self, timeout_s: float = 30.0, max_rss_mib: float | None = None) -> list[int]:
         """Stop every group that no longer answers one collective in step (a task that stalled a rank or left a
-        collective half-done); returns the world sizes stopped.  Run between users of a shared pool."""
+        collective half-done) or, with ``max_rss_mib``, one whose largest worker holds more memory than that (a
+        worker grows with every compile it ran, and a grown one compiles slower); returns the world sizes
+        stopped.  Run between users of a shared pool."""
         stopped = []
         for world_size, group in list(self._groups.items()):
             try:
-                healthy = group.alive and group.run(_all_reduce_ranks, timeout=timeout_s) == (
+                answers = group.run(_all_reduce_ranks, timeout=timeout_s) if group.alive else None
+                healthy = answers is not None and [total for total, _ in answers] == (
                     [world_size * (world_size + 1) // 2] * world_size)
+                if healthy and max_rss_mib is not None:
+                    healthy = max(rss for _, rss in answers) <= max_rss_mib
             except Exception:
                 healthy = False
             if not healthy:
