@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from burstc.attention_ir import Alibi, AttentionMatch, KeyPadding, MaskSpec, SoftCap
-from burstc.passes.graph_utils import (ancestors, const_number, eliminate_dead_code, fake_mode_of, in_place_writes,
-                                       is_function, is_method, set_meta, val)
+from burstc.passes.graph_utils import (ancestors, const_number, dtype_name, eliminate_dead_code, fake_mode_of,
+                                       in_place_writes, is_function, is_method, set_meta, val)
 from burstc.passes.flex_masks import flex_call, flex_match, is_flex_attention
 from burstc.passes.mask_classification import CODES, classify_mask, hidden_fill  # noqa: F401  (CODES: attention.*)
 from burstc.refusals import Refusal
@@ -181,10 +181,6 @@ def _cast_in_graph(gm, tensors, dtype, fake_mode) -> list:
             t = t_cast
         cast.append(t)
     return cast
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _autocast_dtype(node: fx.Node, inputs) -> torch.dtype | None:
@@ -677,7 +673,7 @@ def detect_attention(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 folded += origin == _FOLDED
                 context.rewrite("attention_normal_form", node, {"mask": match.mask_description,
                                                                  "notes": ", ".join(notes) or None,
-                                                                 "cast_to": _dtype_name(autocast)})
+                                                                 "cast_to": dtype_name(autocast)})
             continue
         if is_flex_attention(node):
             match = flex_match(gm, flex_call(gm, node))

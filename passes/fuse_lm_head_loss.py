@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from burstc.ops.linear_cross_entropy import linear_cross_entropy
 from burstc.passes import module_path
 from burstc.passes.graph_utils import const_number as _const
-from burstc.passes.graph_utils import eliminate_dead_code
+from burstc.passes.graph_utils import dtype_name, eliminate_dead_code
 from burstc.passes.graph_utils import in_place_writes as _in_place_writes
 from burstc.passes.graph_utils import normalized_kwargs as _normalized_kwargs
 from burstc.passes.graph_utils import fake_mode_of as _fake_mode
@@ -500,7 +500,7 @@ def fuse_lm_head_loss(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                 logits_note = "dropped: returned as a stand-in that explains keep_logits (True keeps them)"
         context.rewrite(KIND, fused, {
             "tokens": num_tokens, "vocab": vocab, "hidden": hidden_size,
-            "dtype": str(hidden_val.dtype).replace("torch.", ""),
+            "dtype": dtype_name(hidden_val.dtype),
             "reduction": match.reduction, "ignore_index": match.ignore_index,
             "label_smoothing": match.label_smoothing, "softcap": match.softcap, "logit_scale": match.logit_scale,
             "logit_divisor": match.logit_divisor,

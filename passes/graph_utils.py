@@ -15,6 +15,11 @@ def val(node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """``"bfloat16"`` for ``torch.bfloat16`` (report details), None for None."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def fake_mode_of(gm: fx.GraphModule):
     from torch._subclasses.fake_tensor import FakeTensor
 

@@ -43,8 +43,8 @@ from burstc.ops.linear_cross_entropy import PADDING_TARGET
 from burstc.ops.sequence import grad_all_reduce, loss_all_reduce, sum_all_reduce  # also registers burstc::shard_seq/gather_seq
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
-from burstc.passes.graph_utils import eliminate_dead_code, fake_mode_of, in_place_writes, is_function, node_named, \
-    normalized_kwargs, placeholder_kind, refresh_meta, set_meta, val
+from burstc.passes.graph_utils import dtype_name, eliminate_dead_code, fake_mode_of, in_place_writes, is_function, \
+    node_named, normalized_kwargs, placeholder_kind, refresh_meta, set_meta, val
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
@@ -250,7 +250,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
             "mask": match.mask_description if match else mask.kind,
             "kv_heads_on_wire": Hkv, "gqa_note": match.notes[0] if match and match.notes else None,
             # autocast's matmuls: the ring runs on q, k, v cast to that dtype in the graph (as autocast casts them)
-            "cast_to": str(match.cast_to).removeprefix("torch.") if match and match.cast_to else None,
+            "cast_to": dtype_name(match.cast_to) if match else None,
             "predicted_bytes": chosen.sent,
             "bytes_bound": chosen.bound,
             "bytes_over_bound": {k: round(x, 4) for k, x in chosen.over_bound.items()},
