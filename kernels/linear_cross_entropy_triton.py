@@ -84,20 +84,20 @@ def _round_to(x, DTYPE: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
 
 
 @_jit
-def _scale_by(x, logit_scale, LOGIT_DIVIDES: tl.constexpr):
+def _scale_by(x, logit_factor, LOGIT_DIVIDES: tl.constexpr):
     """``x / d`` (correctly rounded: ``/`` on fp32 compiles to an approximate division on CUDA) or ``x * s``."""
     if LOGIT_DIVIDES:
-        result = tl.math.div_rn(x, logit_scale)
+        result = tl.math.div_rn(x, logit_factor)
     else:
-        result = x * logit_scale
+        result = x * logit_factor
     return result
 
 
 @_jit
 def _logit_tile(
     hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
-    stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr, LOGIT_DIVIDES: tl.constexpr,
+    stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_factor,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOGIT_FACTOR: tl.constexpr, LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -124,8 +124,10 @@ def _logit_tile(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     logits = _round_to(acc, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
-    if HAS_LOGIT_SCALE:
-        logits = _round_to(_scale_by(logits, logit_scale, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
+    if HAS_LOGIT_FACTOR:
+        logits = _round_to(
+            _scale_by(logits, logit_factor, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16
+        )
     tanh = logits  # unused without softcap
     if HAS_SOFTCAP:
         tanh = _tanh(logits / softcap, USE_LIBDEVICE_TANH)
@@ -138,8 +140,8 @@ def _lce_forward_kernel(
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, loss_ptr, lse_ptr,
     num_tokens, vocab, hidden_size,
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
-    ignore_index, padding_index, label_smoothing, softcap, logit_scale,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    ignore_index, padding_index, label_smoothing, softcap, logit_factor,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_FACTOR: tl.constexpr,
     LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -158,8 +160,8 @@ def _lce_forward_kernel(
         mask_v = offs_v < vocab
         logits, _ = _logit_tile(
             hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
-            stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-            HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
+            stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_factor,
+            HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_FACTOR, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
             BLOCK_N, BLOCK_V, BLOCK_H,
         )
         logits = tl.where(mask_v[None, :], logits, float("-inf"))
@@ -189,8 +191,8 @@ def _lce_backward_kernel(
     grad_hidden_ptr, grad_weight_ptr, grad_bias_ptr,
     num_tokens, vocab, hidden_size,
     stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h,
-    ignore_index, padding_index, label_smoothing, softcap, logit_scale,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_SCALE: tl.constexpr,
+    ignore_index, padding_index, label_smoothing, softcap, logit_factor,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_LOGIT_FACTOR: tl.constexpr,
     LOGIT_DIVIDES: tl.constexpr,
     USE_LIBDEVICE_TANH: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETER_BF16: tl.constexpr,
     NEED_GRAD_HIDDEN: tl.constexpr, NEED_GRAD_WEIGHT: tl.constexpr, NEED_GRAD_BIAS: tl.constexpr,
@@ -204,8 +206,8 @@ def _lce_backward_kernel(
     mask_v = offs_v < vocab
     logits, tanh = _logit_tile(
         hidden_ptr, weight_ptr, bias_ptr, offs_n, offs_v, mask_n, mask_v, hidden_size,
-        stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_scale,
-        HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_SCALE, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
+        stride_hidden_n, stride_hidden_h, stride_weight_v, stride_weight_h, softcap, logit_factor,
+        HAS_BIAS, HAS_SOFTCAP, HAS_LOGIT_FACTOR, LOGIT_DIVIDES, USE_LIBDEVICE_TANH, DOT_PRECISION, INTERPRETER_BF16,
         BLOCK_N, BLOCK_V, BLOCK_H,
     )
 
@@ -228,9 +230,9 @@ def _lce_backward_kernel(
     # (d(x * s) / dx, d(x / d) / dx) multiplies (divides) the rounded dlogits by s (d) in the input dtype: another
     # rounding, as in eager.
     dlogits_rounded = _round_to(dlogits, hidden_ptr.dtype.element_ty, INTERPRETER_BF16)
-    if HAS_LOGIT_SCALE:
+    if HAS_LOGIT_FACTOR:
         dlogits_rounded = _round_to(
-            _scale_by(dlogits_rounded, logit_scale, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16
+            _scale_by(dlogits_rounded, logit_factor, LOGIT_DIVIDES), hidden_ptr.dtype.element_ty, INTERPRETER_BF16
         )
     if INTERPRETER_BF16:  # fp32 tiles holding bf16 values (see _logit_tile)
         dlogits_lowp = dlogits_rounded
@@ -240,8 +242,8 @@ def _lce_backward_kernel(
     if NEED_GRAD_BIAS:
         # from the fp32 dlogits (as the chunked CPU path), times the scale
         bias_tile = tl.sum(dlogits, axis=0)
-        if HAS_LOGIT_SCALE:
-            bias_tile = _scale_by(bias_tile, logit_scale, LOGIT_DIVIDES)
+        if HAS_LOGIT_FACTOR:
+            bias_tile = _scale_by(bias_tile, logit_factor, LOGIT_DIVIDES)
         tl.atomic_add(grad_bias_ptr + offs_v, bias_tile, mask=mask_v)
     if NEED_GRAD_HIDDEN or NEED_GRAD_WEIGHT:
         for h0 in range(0, hidden_size, BLOCK_H):
@@ -310,10 +312,10 @@ def _launch_options(hidden_NH, weight_VH, label_smoothing, softcap, logit_scale,
         padding_index=PADDING_TARGET,
         label_smoothing=float(label_smoothing),
         softcap=float(softcap) if softcap is not None else 1.0,
-        # the kernels' one runtime factor: s, or d with LOGIT_DIVIDES
-        logit_scale=float(next((f for f in (logit_scale, logit_divisor) if f is not None), 1.0)),
+        # the kernels' one runtime factor: the scale s, or the divisor d with LOGIT_DIVIDES
+        logit_factor=float(next((f for f in (logit_scale, logit_divisor) if f is not None), 1.0)),
         HAS_SOFTCAP=softcap is not None,
-        HAS_LOGIT_SCALE=logit_scale is not None or logit_divisor is not None,
+        HAS_LOGIT_FACTOR=logit_scale is not None or logit_divisor is not None,
         LOGIT_DIVIDES=logit_divisor is not None,
         HAS_SMOOTHING=float(label_smoothing) != 0.0,
         USE_LIBDEVICE_TANH=not interpret,
