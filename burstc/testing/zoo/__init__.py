@@ -45,6 +45,7 @@ from burstc.testing.zoo.hf import (  # noqa: F401
     hf_loss_no_cache,
     hf_loss_default,
     hf_arch,
+    hf_arch_fewest_layers,
     hf_arch_checkpointed,
     hf_moe,
     hf_moe_with_aux_loss,

@@ -66,8 +66,63 @@ _HF_SPECIAL = {
 def hf_arch(config_name: str):
     """A tiny random-init HF causal LM of the given architecture (eval mode, dropout off): the config's
     own defaults with the tiny sizes above wherever its constructor takes them."""
-    impl = "eager" if config_name in ("Gemma2Config", "GptOssConfig") else "sdpa"   # no SDPA path
-    return hf_arch_variant(config_name, impl)
+    return hf_arch_variant(config_name, _attn_implementation(config_name))
+
+
+def hf_arch_fewest_layers(config_name: str):
+    """hf_arch with one decoder layer where its two layers are of one kind, else the two.
+
+    Tracing and partitioning cost grows with the layers (2.8 s of an architecture's 2-rank check with two);
+    a second layer identical to the first (same module types, parameter shapes and settings, only its index
+    differs) adds no new attention, mask or MLP to rewrite.  Layers of different kinds (sliding and global
+    attention, dense and MoE MLPs, Mamba and attention) keep both; so does a config listing per-layer
+    settings that differ (``layer_types``, ``no_rope_layers``, ...), read at run time rather than stored."""
+    two = hf_arch(config_name)
+    if _layers_differ(two):
+        return two
+    return hf_arch_variant(config_name, _attn_implementation(config_name), **_one_layer_overrides(two.config))
+
+
+def _attn_implementation(config_name: str) -> str:
+    return "eager" if config_name in ("Gemma2Config", "GptOssConfig") else "sdpa"   # no SDPA path
+
+
+def _decoder_layers(model):
+    """The shortest-named ModuleList of the model's layers (model.layers, transformer.h, ...)."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, torch.nn.ModuleList) and len(m) == model.config.num_hidden_layers]
+    return min(lists, key=lambda item: len(item[0]))[1] if lists else None
+
+
+def _layer_signature(layer):
+    signature = []
+    for name, module in layer.named_modules():
+        settings = {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx"
+                    and isinstance(v, (int, float, str, bool, type(None), tuple))}
+        signature.append((name, type(module).__name__, sorted(settings.items(), key=str)))
+        signature.extend((name, p_name, tuple(p.shape)) for p_name, p in module.named_parameters(recurse=False))
+    return signature
+
+
+def _layers_differ(model) -> bool:
+    layers = _decoder_layers(model)
+    if layers is None or len(layers) < 2:
+        return True
+    per_layer_lists = [v for v in vars(model.config).values()
+                       if isinstance(v, (list, tuple)) and len(v) == len(layers) and len(set(map(repr, v))) > 1]
+    return bool(per_layer_lists) or any(_layer_signature(layer) != _layer_signature(layers[0])
+                                        for layer in layers[1:])
+
+
+def _one_layer_overrides(config) -> dict:
+    overrides = {"num_hidden_layers": 1}
+    for attr, value in vars(config).items():   # per-layer lists (all equal here) cut to one entry
+        if isinstance(value, (list, tuple)) and len(value) == config.num_hidden_layers:
+            overrides[attr] = type(value)(value[:1])
+    for alias in ("n_layer", "n_layers"):   # GPT-2-style names, given by _HF_TINY too
+        if isinstance(getattr(config, alias, None), int):
+            overrides[alias] = 1
+    return overrides
 
 
 def hf_arch_variant(config_name: str, attn_implementation: str = "sdpa", **overrides):
