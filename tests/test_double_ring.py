@@ -137,6 +137,27 @@ def test_double_ring_2x4(workers):
     _check(workers.get(8).run(_run_grid, (2, 4), grid), (2, 4), grid)
 
 
+def _compiled_on_3d(rank, world_size, options):
+    from burstc.testing import oracle
+    return oracle.equivalence_task(rank, world_size, zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss,
+                                   dict(backend="aot_eager", seq_dims=("inter", "intra"), **options),
+                                   mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "inter", "intra"))
+
+
+# beside the other 8-rank test: the session's pool keeps at most 10 workers, so each switch between the 8-rank
+# group and the 4-rank one restarts a group (~7 s to spawn, more for its first compile)
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_3d_mesh_shards_over_its_two_named_sequence_dims(workers):
+    """("dp", "inter", "intra") with seq_dims=("inter", "intra"): each data-parallel replica a 2 x 2 double ring."""
+    from burstc.testing.oracle import errors_above
+
+    rtol = tolerance(torch.float32, "sharded_param_grad").rtol
+    for result in workers.get(8).run(_compiled_on_3d, {}):
+        assert not errors_above(result["errors"], rtol, rtol), result["report"]
+        assert set(result["rings"]) == {"double 2x2"} and "sharded over 4 ranks" in result["report"]
+
+
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 4), (4, 4)])
 def test_each_block_crosses_to_each_other_node_at_most_once(layout, mesh_shape):
@@ -265,22 +286,3 @@ def test_compile_runs_the_hybrid_exactly(workers, options, ring):
     for result in results:
         assert not errors_above(result["errors"], rtol, rtol), result["report"]
         assert len(set(result["rings"])) == 1 and result["rings"][0] in ((ring,) if isinstance(ring, str) else ring)
-
-
-def _compiled_on_3d(rank, world_size, options):
-    from burstc.testing import oracle
-    return oracle.equivalence_task(rank, world_size, zoo.titan_llama, zoo.titan_inputs, zoo.call_with_loss,
-                                   dict(backend="aot_eager", seq_dims=("inter", "intra"), **options),
-                                   mesh_shape=(2, 2, 2), mesh_dim_names=("dp", "inter", "intra"))
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
-def test_a_3d_mesh_shards_over_its_two_named_sequence_dims(workers):
-    """("dp", "inter", "intra") with seq_dims=("inter", "intra"): each data-parallel replica a 2 x 2 double ring."""
-    from burstc.testing.oracle import errors_above
-
-    rtol = tolerance(torch.float32, "sharded_param_grad").rtol
-    for result in workers.get(8).run(_compiled_on_3d, {}):
-        assert not errors_above(result["errors"], rtol, rtol), result["report"]
-        assert set(result["rings"]) == {"double 2x2"} and "sharded over 4 ranks" in result["report"]
