@@ -1,4 +1,5 @@
 """The equivalence oracle's error measure (burstc.testing.oracle)."""
+import pytest
 import torch
 
 from burstc.testing.oracle import errors_above, training_step_errors
@@ -76,3 +77,20 @@ def test_a_nonfinite_fp64_truth_falls_back_to_the_given_lower_precision_only_whe
 
     still_nan = fp64_truth(AlwaysNan(), step, fallback=torch.float32)
     assert still_nan[0].dtype == torch.float64 and still_nan[0].isnan()
+
+
+def test_fewest_layers_keeps_two_only_where_they_differ():
+    """The 59-architecture check runs one decoder layer where a second would repeat the first; layers of two
+    kinds (sliding and global attention, a dense then an MoE MLP, per-layer config lists) keep both."""
+    pytest.importorskip("transformers")
+    from burstc.testing import zoo
+    from burstc.testing.zoo.hf import _decoder_layers
+
+    for config_name, layers in (("LlamaConfig", 1), ("GPT2Config", 1), ("MixtralConfig", 1),
+                                ("Gemma2Config", 2), ("DeepseekV3Config", 2), ("Llama4TextConfig", 2)):
+        model = zoo.hf_arch_fewest_layers(config_name)
+        assert len(_decoder_layers(model)) == model.config.num_hidden_layers == layers, config_name
+    one = zoo.hf_arch_fewest_layers("LlamaConfig")
+    two = zoo.hf_arch("LlamaConfig")
+    ids = torch.randint(0, 97, (1, 8))
+    assert one(ids).logits.shape == two(ids).logits.shape  # a working model, the same sizes otherwise
