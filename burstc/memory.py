@@ -404,6 +404,7 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
 # what the graphs do not show: buffers inside burstc's opaque ops (hand formulas, live while the op runs)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # ring_backward_buffers asks per layer, rank and step (explain: 129K calls)
 def _rows_runs(queries_travel: bool, layout: str, mask, receiver: int, sender: int, local_len: int, world_size: int):
     from burstc.block_geometry import runs_length, travelling_rows
 

@@ -242,11 +242,17 @@ def predicted_transfers(layout: str, mask, seq_len: int, world_size: int, batch:
     per_row = _row_bytes(values)
     size, local_len = world_size, seq_len // world_size
 
+    counted = {}  # each (direction, receiver, sender) is asked for up to 4 times (3 ops, both sides of a pair)
+
     def rows(op, receiver, sender):
-        if rows_between is not None:
-            return runs_length(rows_between(_QUERIES_TRAVEL[op], receiver % size, sender % size))
-        return runs_length(travelling_rows(_QUERIES_TRAVEL[op], layout, mask, receiver % size, sender % size,
-                                           local_len, size, hidden_pairs))
+        key = (_QUERIES_TRAVEL[op], receiver % size, sender % size)
+        if key not in counted:
+            if rows_between is not None:
+                counted[key] = runs_length(rows_between(*key))
+            else:
+                counted[key] = runs_length(travelling_rows(key[0], layout, mask, key[1], key[2], local_len, size,
+                                                           hidden_pairs))
+        return counted[key]
 
     def link(rank, peer):
         if not per_node:
