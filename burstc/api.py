@@ -9,6 +9,7 @@ import torch
 from burstc.backend import BurstBackend
 from burstc.config import BurstConfig
 from burstc.errors import MeshError, check_rank_in_mesh, describe_mesh
+from burstc.guards import note_fsdp_submodules
 from burstc.report import Report
 
 _REPORT_ATTR = "_burstc_report"
@@ -111,6 +112,8 @@ def compile(model, mesh=None, **options):
     if world_size > 1 and config.sync_module_states and isinstance(model, torch.nn.Module):
         broadcast_module_states(model, mesh)
     report = Report(config, world_size=world_size)
+    if world_size > 1:
+        note_fsdp_submodules(report, model)
     backend = BurstBackend(config, report, mesh=mesh, world_size=world_size,
                            ring_groups=seq.ring_groups if seq is not None else ())
     # torch._dynamo.optimize is what torch.compile calls; torch.compile would wrap the backend in an object

@@ -32,6 +32,8 @@ GUARD_CODES = register_codes("pipeline", {
     "recompile_limit": "torch.compile's recompile limit was hit: calls with new shapes run eagerly (unsharded)",
     "padding_hole_fallback": "a call's attention_mask has a hole under a mask exact only for contiguous padding "
                              "(BLOOM's ALiBi counts real tokens); it runs the unsharded graph",
+    "fsdp_submodules": "fully_shard on submodules: each wrapped module compiles as its own graph (FSDP2's hooks "
+                       "run outside the graph), and graphs without the token inputs run replicated",
 })
 
 
@@ -124,6 +126,39 @@ def note_padded_fallback(report: Report, graph_id: int, input_names: str) -> Non
     report.skipped.append(SkipRecord("unpadded_mask", input_names, "", message, graph_id, "backend",
                                      PIPELINE.padded_fallback))
     log_event("rewrites", "graph %d: %s", graph_id, message)
+    warnings.warn(f"burstc: {message}", stacklevel=3)
+
+
+def fsdp_wrapped_submodules(model) -> list[str]:
+    """Paths of ``model``'s submodules (not the root) that ``fully_shard`` wrapped."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return []
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [name for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
+
+
+def note_fsdp_submodules(report: Report, model) -> None:
+    """Report (and warn) that FSDP2 on submodules splits the model into graphs that run replicated.
+
+    torch 2.13 runs FSDP2's pre- and post-forward hooks under ``torch._dynamo.disable``: a graph breaks at every
+    wrapped module, each wrapped module compiles alone, and its graph takes the hidden states as a float input.
+    burstc shards a graph from its token inputs, so those graphs run unsharded (exact, every rank the whole
+    sequence).  ``fully_shard`` on the root only, or DDP over the data-parallel dim, keeps one graph (measured:
+    both exact against single-device eager on a 2 x 2 ("dp", "cp") mesh)."""
+    wrapped = fsdp_wrapped_submodules(model)
+    if not wrapped:
+        return
+    shown = ", ".join(wrapped[:3]) + (f", ... ({len(wrapped)} modules)" if len(wrapped) > 3 else "")
+    message = (f"fully_shard was applied to submodules ({shown}): torch runs FSDP2's hooks outside the graph, so "
+               "each wrapped module compiles as its own graph without the token inputs, and those graphs run "
+               "replicated (exact, but no sequence parallelism). Apply fully_shard to the root module only (all "
+               "parameters are then gathered at once per step) or use DDP over the data-parallel mesh dim")
+    report.notes.append(message)
+    report.skipped.append(SkipRecord("fsdp", "model", "", message, 0, "compile", GUARD_CODES.fsdp_submodules))
+    log_event("rewrites", "%s", message)
     warnings.warn(f"burstc: {message}", stacklevel=3)
 
 
