@@ -30,9 +30,13 @@ def _tracing_config(config: BurstConfig):
         # HF's one-time warnings (e.g. "use_cache=True is incompatible with gradient checkpointing") break
         # the graph before the model body otherwise, leaving the loss in a graph of its own
         ignored_logging.add(hf_logging.warning_once)
+    # optimize_ddp off: for a model wrapped in DDP, Dynamo's DDPOptimizer would cut the graph at every gradient
+    # bucket (so each bucket's all-reduce overlaps the backward of the pieces before it), and the pieces after the
+    # first have no token inputs and run replicated; one graph shards the whole sequence, and DDP's reducer still
+    # averages the gradients (after the backward instead of overlapping it)
     return torch._dynamo.config.patch(
         skip_fwd_side_effects_in_bwd_under_checkpoint=not config.replay_checkpoint_side_effects,
-        ignore_logging_functions=ignored_logging)
+        ignore_logging_functions=ignored_logging, optimize_ddp=False)
 
 
 def _validate_device_lifted(query, key, value):
