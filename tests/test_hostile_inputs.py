@@ -169,10 +169,13 @@ def dynamic_task(rank, world_size, dynamic):
     model = MODEL()
     cmodel = burstc.compile(model, _mesh(world_size), backend="aot_eager", dynamic=dynamic)
     lengths = (32,) if dynamic else (32, 40)  # dynamic=None makes the length symbolic on the second one
-    bad = [_compare(cmodel, model, _tokens(2, seq_len, seed=seq_len)) for seq_len in lengths]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bad = [_compare(cmodel, model, _tokens(2, seq_len, seed=seq_len)) for seq_len in lengths]
     report = burstc.report(cmodel)
     return {"bad": bad, "codes": _codes(cmodel), "graphs": len(report.graph_records),
-            "sharded_graphs": [r.sharding is not None for r in report.graph_records]}
+            "sharded_graphs": [r.sharding is not None for r in report.graph_records],
+            "replicated_warnings": [str(w.message) for w in caught if "runs replicated on 2 ranks" in str(w.message)]}
 
 
 def mesh_outside_task(rank, world_size):
@@ -381,6 +384,9 @@ def test_dynamic_shapes_are_refused_with_a_code_and_stay_correct(workers, dynami
     for result in results:
         assert result["bad"] == [{}] * (1 if dynamic else 2)
         assert "shard.dynamic_length" in result["codes"]
+        # said when it happens, not only in the report: the attention runs over the whole sequence on every rank
+        (warned,) = result["replicated_warnings"]
+        assert "attention call(s) over the whole sequence" in warned and "symbolic" in warned, warned
     if dynamic is None:  # the first length is static (sharded), the second makes it symbolic (replicated)
         assert results[0]["sharded_graphs"] == [True, False]
     else:
