@@ -14,11 +14,13 @@ from burstc._logging import dump_graph
 from burstc.config import BurstConfig
 from burstc.errors import check_mesh_alive
 from burstc.guards import all_ones_guarded, check_same_inputs_on_all_ranks, exactness_guarded, \
-    note_exactness_fallback, note_padded_fallback, reinsert_dropped_outputs, watch_recompile_limit
+    note_exactness_fallback, note_padded_fallback, reinsert_dropped_outputs, warn_replicated_graph, \
+    watch_recompile_limit
 from burstc.lowering import lower
 from burstc.pass_context import GraphFacts, PassContext
 from burstc.passes import run_stage
 from burstc.report import Report, snapshot_graph
+from burstc.sharding.codes import CODES as SHARD_CODES
 
 
 def _tracing_config(config: BurstConfig):
@@ -128,6 +130,7 @@ class BurstBackend:
                     refusal, reason=f"even with the attention-mask input assumed all ones: {refusal.reason}"))
             guarded = ()
         compiled = self._finish(gm, example_inputs, record, context)
+        self._warn_if_replicated(record, context)  # lowered: no RestartAnalysis will discard this attempt
         checks = context.facts.sharding.call_checks if context.facts.sharding is not None else ()
         if checks:
             fallback_ids = []  # the unsharded graph's id: the next graph's until it is compiled
@@ -157,6 +160,15 @@ class BurstBackend:
         record.dropped_outputs = context.facts.dropped_outputs
         record.sharding = context.facts.sharding
         return gm, context
+
+    def _warn_if_replicated(self, record, context) -> None:
+        """Once per graph, after its last planning: attention the shard pass refused to shard (not a graph
+        without sequence work, nor a user's disable_passes=("shard",))."""
+        if self.world_size <= 1 or context.facts.sharding is not None or not context.facts.attention:
+            return
+        refusals = [s for s in self.report.skipped if s.graph_id == record.graph_id and s.kind == "shard"]
+        if refusals and refusals[0].code != SHARD_CODES.no_sequence_work:
+            warn_replicated_graph(self.report, refusals[0], self.world_size, len(context.facts.attention))
 
     def _without_specialization(self) -> BurstConfig:
         return dataclasses.replace(self.config, disable_passes=self.config.disable_passes + ("assume_unpadded",))

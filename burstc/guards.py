@@ -129,6 +129,15 @@ def note_padded_fallback(report: Report, graph_id: int, input_names: str) -> Non
     warnings.warn(f"burstc: {message}", stacklevel=3)
 
 
+def warn_replicated_graph(report: Report, refusal: SkipRecord, world_size: int, attention_calls: int) -> None:
+    """A mesh graph that holds attention but runs replicated puts the whole sequence's attention on every rank:
+    the memory sequence parallelism was for.  Warn when it is compiled, with the refusal the report's first line
+    gives for it, besides the report."""
+    warnings.warn(f"burstc: graph {refusal.graph_id} runs replicated on {world_size} ranks (its {attention_calls} "
+                  f"attention call(s) over the whole sequence on every rank, exact): {refusal.reason} "
+                  f"[{refusal.code}]", stacklevel=3)
+
+
 def fsdp_wrapped_submodules(model) -> list[str]:
     """Paths of ``model``'s submodules (not the root) that ``fully_shard`` wrapped."""
     try:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import warnings
 
 import torch
 import torch.fx as fx
@@ -408,17 +407,6 @@ def _shard_cross_entropy(graph: fx.Graph, node: fx.Node, group_name: str, layout
     graph.erase_node(node)
 
 
-def _warn_replicated(context, reason: str) -> None:
-    """A refused graph that holds attention runs it over the whole sequence on every rank: the memory sequence
-    parallelism was meant to save.  Say so when it happens, not only in the report."""
-    warned = context.report.__dict__.setdefault("_graphs_warned_replicated", set())
-    if context.facts.attention and context.graph_id not in warned:  # once per graph (a graph may be re-planned)
-        warned.add(context.graph_id)
-        warnings.warn(f"burstc: graph {context.graph_id} runs replicated on {context.world_size} ranks (its "
-                      f"{len(context.facts.attention)} attention call(s) over the whole sequence on every rank, exact): "
-                      f"{reason}", stacklevel=2)
-
-
 def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     if context.world_size <= 1:
         context.note = "single device: nothing to shard"
@@ -427,7 +415,6 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         seq_len = find_sequence_length(gm)
     except ValueError as why:
         context.skip(KIND, "graph", f"{why}; the graph runs unsharded", module="", code=CODES.sequence_length)
-        _warn_replicated(context, str(why))
         return gm
     if not isinstance(seq_len, int):
         context.skip(KIND, "graph", f"the sequence length is symbolic ({seq_len}): the model was compiled with "
@@ -435,7 +422,6 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                      "concrete length; the graph runs unsharded (replicated on every rank). burstc.compile's "
                      "default dynamic=False shards every length (one graph per length)", module="",
                      code=CODES.dynamic_length)
-        _warn_replicated(context, f"the sequence length is symbolic ({seq_len}): compile with dynamic=False")
         return gm
     layout_details = {}
     if config.layout == AUTO:
@@ -448,14 +434,12 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     except Refused as refusal:
         context.skip(KIND, refusal.node, f"{refusal}; the whole graph runs unsharded (replicated on every rank)",
                      code=refusal.code)
-        _warn_replicated(context, f"{refusal} [{refusal.code}]")
         return gm
     except Exception as error:  # noqa: BLE001 - the analysis only reads the graph: refusing is always safe
         node = analyzer.current or "graph"
         context.skip(KIND, node, f"the shard pass failed to analyze `{getattr(node, 'name', node)}` "
                                  f"({type(error).__name__}: {error}); the whole graph runs unsharded "
                                  "(replicated on every rank) - please report this", code=CODES.analysis_failed)
-        _warn_replicated(context, f"the shard pass failed to analyze the graph ({type(error).__name__}: {error})")
         return gm
     if padded_len != seq_len and not all(_pads_hidden(_mask_of(n, context.facts.attention.get(n)))
                                          for n in plan.attention):
@@ -465,7 +449,6 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
                                     "only when no real token can see a pad (causal attention, documents, key "
                                     f"padding); the graph runs unsharded - pad the batch to a multiple of {multiple} "
                                     "to shard it", module="", code=CODES.padding_not_exact)
-        _warn_replicated(context, f"sequence length {seq_len} is not a multiple of {multiple}; pad the batch to it")
         return gm
     if not plan.attention and not plan.losses:
         context.skip(KIND, "graph", "no attention or loss over the sequence found; the graph runs unsharded",
@@ -477,7 +460,6 @@ def shard(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
         problem = analyzer.output_problem
         context.skip(KIND, problem.node, f"{problem}; the whole graph runs unsharded (replicated on every rank)",
                      code=problem.code)
-        _warn_replicated(context, f"{problem} [{problem.code}]")
         return gm
     group_name = _group_name(context)
     call_checks = _call_checks(gm, plan, context)
