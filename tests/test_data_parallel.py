@@ -72,8 +72,8 @@ def _data_parallel_task(rank, world_size, wrapping):
             compiled = step_model = burstc.compile(model, mesh, seq_dims=("cp",), backend="aot_eager")
     loss = zoo.call_with_loss(step_model, _replica_batch(replica))
     loss.backward()
-    grads = {name.replace("module.", "").replace("_orig_mod.", ""): grad.full_tensor() if hasattr(grad, "full_tensor")
-             else grad for name, grad in parameter_grads(model).items()}
+    grads = {name: grad.full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP2: a DTensor over "dp"
+             for name, grad in parameter_grads(model).items()}
     report = burstc.report(compiled)
     return {"errors": training_step_errors(loss.detach(), ref_loss, grads, ref_grads, SHARDED_GRAD_FLOOR),
             "summary": str(report),
