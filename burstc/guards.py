@@ -135,7 +135,7 @@ def warn_replicated_graph(report: Report, refusal: SkipRecord, world_size: int, 
     gives for it, besides the report."""
     warnings.warn(f"burstc: graph {refusal.graph_id} runs replicated on {world_size} ranks (its {attention_calls} "
                   f"attention call(s) over the whole sequence on every rank, exact): {refusal.reason} "
-                  f"[{refusal.code}]", stacklevel=3)
+                  f"[{refusal.code}]{report.model_cause()}", stacklevel=3)
 
 
 def fsdp_wrapped_submodules(model) -> list[str]:

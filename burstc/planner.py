@@ -431,12 +431,23 @@ def _bound_bytes(keys_seen: torch.Tensor, rows_seeing: torch.Tensor, per_row: di
 
 def data_zero_redundancy_bound(layout, mask, seq_len: int, world_size: int, batch: int, heads_q: int,
                                heads_kv: int, head_dim: int, dtype: torch.dtype | int,
-                               doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None
-                               ) -> dict[str, tuple[int, ...]]:
+                               doc_ids_BS: torch.Tensor | None = None, key_valid_BS: torch.Tensor | None = None,
+                               per_batch_row: bool = False) -> dict[str, tuple[int, ...]]:
     """:func:`zero_redundancy_bound` with the runtime terms' data (``[B, S]``, the call's documents and padding):
-    a row is needed where some entry of some batch row that the whole mask leaves visible needs it.  Dense per
-    pair of ranks (``B * (S/P)^2`` booleans at a time): for tests, benchmarks and the simulator."""
+    a row is needed where some entry of some batch row that the whole mask leaves visible needs it.
+    ``per_batch_row``: each batch row's rows counted alone (where its own entries need them), the bound of a ring
+    that sent every batch row separately; the op's batch groups (:mod:`burstc.ops.batch_groups`) lie between the
+    two.  Dense per pair of ranks (``B * (S/P)^2`` booleans at a time): for tests, benchmarks and the simulator."""
     from burstc.kernels.masked_attention_blocks import visible_entries
+
+    if per_batch_row and (doc_ids_BS is not None or key_valid_BS is not None):
+        total: dict[str, tuple[int, ...]] = {}
+        for b in range(batch):
+            one = data_zero_redundancy_bound(layout, mask, seq_len, world_size, 1, heads_q, heads_kv, head_dim, dtype,
+                                             None if doc_ids_BS is None else doc_ids_BS[b:b + 1],
+                                             None if key_valid_BS is None else key_valid_BS[b:b + 1])
+            total = {op: tuple(a + c for a, c in zip(total.get(op, (0,) * world_size), got)) for op, got in one.items()}
+        return total
 
     per_row = _row_bytes(_values(batch, seq_len, world_size, heads_q, heads_kv, head_dim, dtype))
     positions = [local_positions(seq_len, world_size, r, layout) for r in range(world_size)]

@@ -193,7 +193,16 @@ class Report:
             return f"graph {graph_id}: one device{fused_note}"
         refusals = [s for s in self.skipped if s.graph_id == graph_id and s.kind == "shard"]
         reason = refusals[0].reason if refusals else "nothing to shard in this graph"
-        return f"graph {graph_id}: replicated on {self.world_size} ranks{fused_note}: {reason}"
+        return f"graph {graph_id}: replicated on {self.world_size} ranks{fused_note}: {reason}{self.model_cause()}"
+
+    def model_cause(self) -> str:
+        """What the model's wrapping does to every graph (FSDP2 on submodules), as a clause for a replicated graph's
+        line: the graph's own refusal names the symptom (no token inputs), this the cause; else ''."""
+        wrapped = [s for s in self.skipped if s.kind == "fsdp"]
+        if not wrapped:
+            return ""
+        return (f" (because fully_shard wraps submodules: each wrapped module compiles alone, without the token "
+                f"inputs [{wrapped[0].code}])")
 
     @property
     def memory(self):

@@ -92,6 +92,10 @@ def test_sequence_rings_inside_data_parallel_replicas(workers, wrapping):
         if wrapping == "fsdp_layers":
             assert not sharded and "pipeline.fsdp_submodules" in result["codes"] and notes, result
             assert "model.layers.0, model.layers.1" in notes[0]
+            # the report's first lines give the cause beside each replicated graph's own refusal
+            replicated = [line for line in result["summary"].splitlines() if "replicated on 2 ranks" in line]
+            assert replicated and all("because fully_shard wraps submodules" in line for line in replicated), \
+                result["summary"]
         else:
             assert sharded and not notes and "pipeline.fsdp_submodules" not in result["codes"], result
             assert "graph 1" not in result["summary"], result["summary"]  # one graph holds the whole step

@@ -14,7 +14,6 @@ import torch
 from burstc import layout as layouts
 from burstc import planner
 from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
-from burstc.block_geometry import pairs_hidden_by_data
 from burstc.ops import ring_attention as ra
 from burstc.testing import balance, tolerance, zoo
 from burstc.testing.ring_cases import ring_attention_case, runtime_mask_data
@@ -90,18 +89,23 @@ def _check(per_rank, mesh_shape, grid):
             else:
                 ring_len, ring_size, shape = local_len, world_size, fp32
             ring_rank = rank // per_node if ring == "ulysses" else rank  # the hybrid: its rank in its lane's ring
-            hidden = pairs_hidden_by_data(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
-            # with the data: hidden pairs move nothing, packed documents only their trimmed blocks' rows
-            rows = balance.data_rows(layout, mask, ring_len, ring_size, data["doc_ids"], data["key_valid"])
+            # with the data: hidden pairs move nothing, packed documents only their trimmed blocks' rows, a padded
+            # batch whose rows disagree sends per batch group
             if ring == "ulysses":
-                predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, nodes, *shape,
-                                                        hidden_pairs=hidden, rows_between=rows)
+                def predict(batch, hidden, rows):
+                    return planner.predicted_transfers(layout, mask.static_part, seq_len, nodes, batch, *shape[1:],
+                                                       hidden_pairs=hidden, rows_between=rows)
             elif ring == "double":
-                predicted = planner.predicted_double_ring_transfers(layout, mask.static_part, seq_len, nodes, per_node,
-                                                                    *fp32, hidden_pairs=hidden, rows_between=rows)
+                def predict(batch, hidden, rows):
+                    return planner.predicted_double_ring_transfers(layout, mask.static_part, seq_len, nodes, per_node,
+                                                                   batch, *fp32[1:], hidden_pairs=hidden,
+                                                                   rows_between=rows)
             else:
-                predicted = planner.predicted_transfers(layout, mask.static_part, seq_len, world_size, *fp32,
-                                                        hidden_pairs=hidden, rows_between=rows)
+                def predict(batch, hidden, rows):
+                    return planner.predicted_transfers(layout, mask.static_part, seq_len, world_size, batch, *fp32[1:],
+                                                       hidden_pairs=hidden, rows_between=rows)
+            predicted = balance.data_transfers(predict, layout, mask, ring_len, ring_size, BATCH, data["doc_ids"],
+                                               data["key_valid"])
             for op, key in (("forward", "forward"), ("backward", plan)):
                 got_plan, sent, received, by_link = counters[op]
                 assert list(sent) == list(predicted[key].sent_per_step[ring_rank]), (context, op)

@@ -8,7 +8,9 @@ import torch
 
 from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.ops import head_groups
+from burstc.ops.batch_groups import batch_row_groups
 from burstc.ops.head_groups import MIN_GROUP_BYTES, head_group_count, head_slices, run_pipelined
+from burstc.ops.ring_loops import MaskData
 from burstc.testing import tolerance
 
 BATCH, HEADS_Q, HEADS_KV, HEAD_DIM = 2, 8, 4, 8
@@ -94,6 +96,7 @@ CASES = [  # (ring, layout, mask name, plan)
     ("double", "zigzag", "causal", "kv_ring"),
     ("double", "contiguous", "documents&padding", "burst"),
     ("ulysses", "zigzag", "causal", "burst"),
+    ("ulysses", "zigzag", "documents&padding", "kv_ring"),
     ("flat", "zigzag", "alibi", "kv_ring"),  # score mods index the heads: one group
 ]
 
@@ -119,9 +122,9 @@ def _groups_task(rank, world_size, cases):
     seen = []
     original = ring_loops.run_pipelined
 
-    def counting(loops, outputs, slices):
+    def counting(loops, *args):
         seen.append(len(loops))
-        return original(loops, outputs, slices)
+        return original(loops, *args)
 
     ring_loops.run_pipelined = counting
     results = []
@@ -151,11 +154,19 @@ def _groups_task(rank, world_size, cases):
                         summed[link] = summed.get(link, 0) + nbytes
                 assert stats.bytes_sent_by_link == summed and sum(summed.values()) > 0, (stats.bytes_sent_by_link,
                                                                                         summed)
-                per_count[groups] = ([out.detach()] + [t.grad for t in leaves], counters, list(seen))
+                per_count[groups] = ([out.detach()] + [t.grad for t in leaves], counters, list(seen),
+                                     _batch_groups(data, BATCH))
             results.append(per_count)
     finally:
         ring_loops.run_pipelined = original
     return results
+
+
+def _batch_groups(data: dict, batch: int) -> int:
+    """How many batch groups the call's padding makes (:mod:`burstc.ops.batch_groups`)."""
+    if data.get("key_valid") is None:
+        return 1
+    return len(batch_row_groups(MaskData(None, data["key_valid"]), batch))
 
 
 @pytest.mark.multirank
@@ -164,10 +175,12 @@ def test_head_groups_give_the_same_results_and_bytes_as_one_group(workers):
     for rank, results in enumerate(per_rank):
         for case, per_count in zip(CASES, results):
             one, four = per_count[1], per_count[4]
-            assert one[2] == [1, 1], (rank, case, one[2])  # forward and backward, one group each
+            # forward and backward, one head group each, in each batch group (a padded batch whose rows disagree)
+            batch_groups = one[3]
+            assert one[2] == [batch_groups] * 2, (rank, case, one[2])
             # the hybrid's ring runs on a node's share of the heads (Hkv / 2 = 2 here): two groups
             want = 1 if case[2] == "alibi" else 2 if case[0] == "ulysses" else 4
-            assert four[2] == [want, want], (rank, case, four[2])
+            assert four[2] == [want * batch_groups] * 2, (rank, case, four[2])
             # per head the same arithmetic, on head slices (strided when B > 1): the CPU kernels may round the last
             # bit differently, so the attention tolerances against the one-group result
             for name, a, b in zip(("out", "dq", "dk", "dv"), one[0], four[0]):

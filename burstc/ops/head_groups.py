@@ -22,52 +22,22 @@ every call of the process, for benchmarks and tests.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Generator, Iterator, Sequence
+from typing import Generator, Sequence
 
 import torch
 from torch import Tensor
+
+from burstc.ops.batch_groups import place_rows_
+from burstc.ops.split_limit import SplitLimit
 
 MAX_HEAD_GROUPS = 4
 # a step's K/V message below this per group is not split: a message and a kernel call per group cost more
 # than the fraction of a small transfer they could hide
 MIN_GROUP_BYTES = 1 << 20
 
-_forced: int | None = None
-
-
-def set_head_groups(groups: int | None) -> None:
-    """Force at most ``groups`` head groups per ring call (1: one group, the unsplit loop); None: automatic."""
-    global _forced
-    if groups is not None and int(groups) < 1:
-        raise ValueError(f"head groups must be at least 1, got {groups}")
-    _forced = None if groups is None else int(groups)
-
-
-@contextlib.contextmanager
-def head_groups_forced(groups: int | None) -> Iterator[None]:
-    previous = _forced
-    set_head_groups(groups)
-    try:
-        yield
-    finally:
-        set_head_groups(previous)
-
-
-def _requested() -> int | None:
-    if _forced is not None:
-        return _forced
-    value = os.environ.get("BURSTC_RING_HEAD_GROUPS")
-    if not value:
-        return None
-    try:
-        groups = int(value)
-    except ValueError:
-        raise ValueError(f"BURSTC_RING_HEAD_GROUPS must be a positive integer, got {value!r}") from None
-    if groups < 1:
-        raise ValueError(f"BURSTC_RING_HEAD_GROUPS must be a positive integer, got {value!r}")
-    return groups
+_LIMIT = SplitLimit("BURSTC_RING_HEAD_GROUPS", "head groups")
+set_head_groups = _LIMIT.set  # at most n head groups per ring call (1: the unsplit loop); None: automatic
+head_groups_forced = _LIMIT.forced
 
 
 def head_group_count(heads_kv: int, kv_step_bytes: int, world_size: int, score_mods: bool) -> int:
@@ -76,7 +46,7 @@ def head_group_count(heads_kv: int, kv_step_bytes: int, world_size: int, score_m
     (``kv_step_bytes``: the local shard's K and V) is at least :data:`MIN_GROUP_BYTES`."""
     if world_size < 2 or score_mods or heads_kv < 2:
         return 1
-    requested = _requested()
+    requested = _LIMIT.requested()
     if requested is None:
         limit = min(MAX_HEAD_GROUPS, kv_step_bytes // MIN_GROUP_BYTES)
     else:
@@ -114,13 +84,14 @@ def call_head_slices(q_BHSD: Tensor, k_BHSD: Tensor, world_size: int, score_mods
 GroupLoop = Generator[None, None, tuple]
 
 
-def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, slices: Sequence[Sequence[slice]]
-                  ) -> tuple[Tensor, ...]:
+def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, slices: Sequence[Sequence[slice]],
+                  batch_rows: Sequence | None = None) -> tuple[Tensor, ...]:
     """Run the head groups' loops in order, each group's first transfer posted before the previous group's
     body and its last hop waited for after the next group's body.  ``outputs``: whole-head tensors each
     group's results are copied into as it finishes (``results[i]`` into heads ``slices[g][i]`` of
     ``outputs[i]``, dim 1), so a group's result is freed at once; one group's results are returned as they
-    are (``outputs`` None)."""
+    are (``outputs`` None).  ``batch_rows``: each loop's batch rows of the outputs (a slice or an index,
+    :mod:`burstc.ops.batch_groups`), None for all."""
     parts_run, finished = [0] * len(loops), [False] * len(loops)
     single: list[tuple] = []
 
@@ -136,8 +107,9 @@ def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, 
             if outputs is None:
                 single.append(stop.value)
                 return
+            rows = slice(None) if batch_rows is None else batch_rows[group]
             for output, part, heads in zip(outputs, stop.value, slices[group]):
-                output[:, heads].copy_(part)
+                place_rows_(output, rows, heads, part)
 
     advance(0)
     for group in range(len(loops)):

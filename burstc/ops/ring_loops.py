@@ -54,6 +54,7 @@ from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, 
                                    pairs_hidden_by_data, runs_length, travelling_rows, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
+from burstc.ops.batch_groups import batch_row_groups, take_rows
 from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
@@ -361,16 +362,21 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
     if isinstance(ring, TwoLevelRing):
         from burstc.ops.double_ring import double_ring_forward_loop as loop
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
-    slices = call_head_slices(q_BHSD, k_BHSD, ring.size, bool(mask.score_mods))
+    loops, places, batch_rows = [], [], []
+    for group in batch_row_groups(data, q_BHSD.shape[0]):
+        q_group, k_group, v_group = (take_rows(t, group.rows) for t in (q_BHSD, k_BHSD, v_BHSD))
+        for q_heads, kv_heads in call_head_slices(q_group, k_group, ring.size, bool(mask.score_mods)):
+            loops.append(loop(q_group[:, q_heads], k_group[:, kv_heads], v_group[:, kv_heads], ring, layout, mask,
+                              scale, group.data, recorder))
+            places.append((q_heads, q_heads))
+            batch_rows.append(group.rows)
     outputs = None
-    if len(slices) > 1:
+    if len(loops) > 1:
         batch, heads_q, local_len, head_dim = q_BHSD.shape
         rows = local_len if data.query_rows is None else data.query_rows
         outputs = (q_BHSD.new_empty(batch, heads_q, rows, head_dim),
                    torch.empty(batch, heads_q, rows, dtype=ACC_DTYPE, device=q_BHSD.device))
-    result = run_pipelined([loop(q_BHSD[:, q_heads], k_BHSD[:, kv_heads], v_BHSD[:, kv_heads], ring, layout, mask,
-                                 scale, data, recorder) for q_heads, kv_heads in slices],
-                           outputs, [(q_heads, q_heads) for q_heads, _ in slices])
+    result = run_pipelined(loops, outputs, places, batch_rows)
     recorder.publish()
     return result
 
@@ -425,19 +431,23 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
     loop = _backward_loop
     if isinstance(ring, TwoLevelRing):
         from burstc.ops.double_ring import double_ring_backward_loop as loop
-    slices = call_head_slices(q_BHSD, k_BHSD, ring.size, bool(mask.score_mods))
-    outputs = None
-    if len(slices) > 1:
-        outputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_BHSD, k_BHSD, v_BHSD))
-
     def heads(t: Tensor | None, selected: slice) -> Tensor | None:
         return None if t is None else t[:, selected]
 
-    grads = run_pipelined(
-        [loop(BACKWARD_PLANS[plan], grad_out_BHSD[:, q_heads], q_BHSD[:, q_heads], k_BHSD[:, kv_heads],
-              v_BHSD[:, kv_heads], heads(out_BHSD, q_heads), lse_BHS[:, q_heads], heads(delta_BHS, q_heads), ring,
-              layout, mask, scale, recorder, data) for q_heads, kv_heads in slices],
-        outputs, [(q_heads, kv_heads, kv_heads) for q_heads, kv_heads in slices])
+    loops, places, batch_rows = [], [], []
+    for group in batch_row_groups(data, q_BHSD.shape[0]):
+        grad_out, q, k, v, out, lse, delta = (take_rows(t, group.rows) for t in (
+            grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, delta_BHS))
+        for q_heads, kv_heads in call_head_slices(q, k, ring.size, bool(mask.score_mods)):
+            loops.append(loop(BACKWARD_PLANS[plan], grad_out[:, q_heads], q[:, q_heads], k[:, kv_heads],
+                              v[:, kv_heads], heads(out, q_heads), lse[:, q_heads], heads(delta, q_heads), ring,
+                              layout, mask, scale, recorder, group.data))
+            places.append((q_heads, kv_heads, kv_heads))
+            batch_rows.append(group.rows)
+    outputs = None
+    if len(loops) > 1:
+        outputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_BHSD, k_BHSD, v_BHSD))
+    grads = run_pipelined(loops, outputs, places, batch_rows)
     recorder.publish()
     return tuple(g.contiguous() for g in grads)
 

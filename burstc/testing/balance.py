@@ -83,10 +83,11 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
     if doc_ids is not None or key_valid is not None:
         bound = data_zero_redundancy_bound(layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
                                            dtype, doc_ids, key_valid)
-        hidden = pairs_hidden_by_data(layout, mask, seq_len // world_size, world_size, doc_ids, key_valid)
-        transfers = predicted_transfers(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
-                                        dtype, hidden, rows_between=data_rows(layout, mask, seq_len // world_size,
-                                                                               world_size, doc_ids, key_valid))
+        transfers = data_transfers(
+            lambda group_batch, hidden, rows: predicted_transfers(layout, static, seq_len, world_size, group_batch,
+                                                                  heads_q, heads_kv, head_dim, dtype, hidden,
+                                                                  rows_between=rows),
+            layout, mask, seq_len // world_size, world_size, batch, doc_ids, key_valid)
         masked = dataclasses.replace(masked, transfers=transfers)
     work_by_op = {op: tuple(batch * heads_q * w for w in predicted_work(layout, static, seq_len, world_size,
                                                                         op == "burst").per_rank)
@@ -110,6 +111,36 @@ def data_rows(layout, mask: MaskSpec, local_len: int, world_size: int, doc_ids, 
     sides = {queries_travel: _rows_between(queries_travel, layout, mask, local_len, ring, data, any_pair=True)
              for queries_travel in (False, True)}
     return lambda queries_travel, receiver, sender: sides[queries_travel](receiver=receiver, sender=sender)
+
+
+def data_transfers(predict, layout, mask: MaskSpec, local_len: int, world_size: int, batch: int, doc_ids, key_valid
+                   ) -> dict:
+    """What the op sends with a call's data (``[B, S]`` each, or None): ``predict(batch, hidden_pairs, rows_between)``
+    (a planner prediction, :class:`burstc.planner.Transfers` per op) for each of the call's batch groups
+    (:mod:`burstc.ops.batch_groups`: a padded batch whose rows disagree runs one loop per group, each sending its
+    own rows), with that group's hidden pairs and travelling rows, summed."""
+    from burstc.ops.batch_groups import batch_row_groups
+    from burstc.ops.ring_loops import MaskData
+
+    total = None
+    for group in batch_row_groups(MaskData(doc_ids, key_valid), batch):
+        docs, valid = group.data.doc_ids_BS, group.data.key_valid_BS
+        group_batch = batch if docs is None and valid is None else (valid if docs is None else docs).shape[0]
+        hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, docs, valid)
+        found = predict(group_batch, hidden, data_rows(layout, mask, local_len, world_size, docs, valid))
+        total = found if total is None else {op: _add_transfers(total[op], found[op]) for op in total}
+    return total
+
+
+def _add_transfers(a, b):
+    def add_links(x: dict, y: dict) -> dict:
+        return {link: x.get(link, 0) + y.get(link, 0) for link in {**x, **y}}
+
+    return dataclasses.replace(
+        a, sent_per_step=tuple(tuple(map(sum, zip(r, s))) for r, s in zip(a.sent_per_step, b.sent_per_step)),
+        received_per_step=tuple(tuple(map(sum, zip(r, s))) for r, s in zip(a.received_per_step, b.received_per_step)),
+        sent_by_link_per_step=tuple(tuple(add_links(x, y) for x, y in zip(r, s))
+                                    for r, s in zip(a.sent_by_link_per_step, b.sent_by_link_per_step)))
 
 
 def table_row(balance: Balance) -> str:
