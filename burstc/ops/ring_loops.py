@@ -135,8 +135,8 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
                   any_pair: bool = False):
     """``rows_between(receiver=, sender=)``: :func:`travelling_rows` of this call, where the pairs with
     this rank (``any_pair``: any pairs, for a rank that relays others' rows) that the runtime data hide
-    move nothing; with packed documents, the rows the pair's trimmed blocks read
-    (:func:`burstc.block_geometry.document_travelling_rows`: both sides derive them from the same replicated ids).
+    move nothing; with packed documents or key padding, the rows the pair's data blocks read
+    (:func:`burstc.block_geometry.document_travelling_rows`: both sides derive them from the same replicated data).
     ``ring`` needs ``size`` (and ``rank`` unless ``any_pair``)."""
     hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
                                   rank=None if any_pair else ring.rank)
@@ -146,10 +146,11 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
         # the key rows the receiver's first rows see: the union of its clipped blocks' keys (both sides derive them)
         rows_between = functools.partial(_clipped_key_rows, layout, mask, local_len=local_len, ring=ring, data=data,
                                          hidden_pairs=hidden)
-    elif mask.term(Documents) is None or not data.packed_documents:
+    elif not mask.runtime_terms or (mask.term(Documents) is not None and not data.packed_documents):
         rows_between = functools.partial(travelling_rows, queries_travel, layout, mask, local_len=local_len,
                                          world_size=ring.size, hidden_pairs=hidden)
-    else:
+    else:  # packed documents or key padding: the rows the pair's data blocks read (a query row that sees only
+        # padded keys of the pair does not travel under the burst plan)
         blocks_of = functools.partial(_pair_blocks, layout, mask, local_len=local_len, ring=ring, data=data)
         rows_between = functools.partial(document_travelling_rows, queries_travel, layout, mask,
                                          local_len=local_len, world_size=ring.size, hidden_pairs=hidden,
