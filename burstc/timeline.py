@@ -68,7 +68,9 @@ class TraceWindow:
         where = f"call {self.call}, rank {self.rank}" if self.call is not None else f"rank {self.rank}"
         if stats is None or stats.overlap is None:
             return f"trace of {where}: no ring transfers -> {self.path}"
-        return (f"trace of {where}: {len(stats.calls)} ring call(s), transfers {stats.transfer_s:.3f} s, hidden "
+        grouped = sum(1 for call in stats.calls if call.batch_groups > 1)
+        split = f" ({grouped} as batch groups)" if grouped else ""
+        return (f"trace of {where}: {len(stats.calls)} ring call(s){split}, transfers {stats.transfer_s:.3f} s, hidden "
                 f"{stats.hidden_s:.3f} s, exposed {stats.exposed_s:.3f} s: overlap {stats.overlap:.2f} -> {self.path}")
 
     def open(self) -> None:

@@ -92,7 +92,7 @@ def _padded_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return docs, valid
 
 
-def _case(rank, world_size, layout, local_len, name, plan, forced_groups):
+def _case(rank, world_size, layout, local_len, name, plan, forced_groups, dtype=torch.float32):
     seq_len, mask = local_len * world_size, MASKS[name]
     docs, valid = _padded_batch(seq_len)
     data = {"key_valid": valid, "doc_ids": docs if mask.term(Documents) else None}
@@ -102,16 +102,16 @@ def _case(rank, world_size, layout, local_len, name, plan, forced_groups):
     pos = torch.arange(seq_len)
     reference = _sdpa_reference(q, k, v, grad_out, _visible(mask, pos, pos, docs, valid), 0.3)
     shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
-    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    q_l, k_l, v_l = (shard(t).to(dtype).requires_grad_() for t in (q, k, v))
     with batch_groups_forced(forced_groups), ra.record_stats() as stats:
         out, lse = ra.ring_attention_with_lse(q_l, k_l, v_l, mask=mask, layout=layout, plan=plan, scale=0.3, **data)
-        (out * shard(grad_out)).sum().backward()
+        (out * shard(grad_out).to(dtype)).sum().backward()
     errors = {key: error_vs(got, shard(reference[key]))
               for key, got in {"out": out, "lse": lse, "dq": q_l.grad, "dk": k_l.grad, "dv": v_l.grad}.items()}
     forward, backward = stats.of("forward")[0], stats.of("backward")[0]
     counters = {op: (sum(s.bytes_received_per_step), sum(s.bytes_sent_per_step), sum(s.kernel_entries_per_step))
                 for op, s in (("forward", forward), ("backward", backward))}
-    return errors, counters
+    return errors, counters, (forward.batch_groups, backward.batch_groups)
 
 
 def _grid():
@@ -128,8 +128,12 @@ def test_grouped_batches_match_sdpa_and_move_less(workers, world_size):
     grouped = workers.get(world_size).run(_run, None)
     unsplit = workers.get(world_size).run(_run, 1)
     for rank in range(world_size):
-        for case, (errors, counters), (errors_unsplit, counters_unsplit) in zip(_grid(), grouped[rank],
-                                                                                 unsplit[rank]):
+        for case, (errors, counters, split), (errors_unsplit, counters_unsplit, unsplit_count) in zip(
+                _grid(), grouped[rank], unsplit[rank]):
+            # the counters say how many groups ran: the grouping's count, in both ops
+            expected = len(batch_row_groups(MaskData(None, _padded_batch(case[1] * world_size)[1]), 5))
+            assert expected > 1 and split == (expected, expected), (rank, case, split, expected)
+            assert unsplit_count == (1, 1), (rank, case, unsplit_count)
             for key in COMPARED:
                 allowed = tolerance(torch.float32, f"attention_{key}")
                 for diff, scale in (errors[key], errors_unsplit[key]):
@@ -150,6 +154,24 @@ def test_grouped_batches_match_sdpa_and_move_less(workers, world_size):
             # packed documents' blocks are already cut to each piece's real keys, and a window's band at these
             # lengths is one position-masked block per pair: the same entries there
             assert grouped_entries < unsplit_entries or case[2] not in ("causal&pad", "full&pad"), (case, op)
+
+
+def _bf16_cases(rank, world_size, plan):
+    return [_case(rank, world_size, layout, 6, name, plan, None, torch.bfloat16)
+            for layout, name in (("zigzag", "causal&pad"), ("striped", "causal&docs&pad"))]
+
+
+@pytest.mark.parametrize("plan", ra.PLANS)
+def test_grouped_batches_in_bf16_match_sdpa(workers, plan):
+    """bf16 shards (fp32 accumulation inside the loops), each batch group's results placed into the bf16 outputs."""
+    for rank, results in enumerate(workers.get(2).run(_bf16_cases, plan)):
+        expected = len(batch_row_groups(MaskData(None, _padded_batch(12)[1]), 5))
+        for errors, _, split in results:
+            assert expected > 1 and split == (expected, expected), (rank, plan, split, expected)
+            for key in COMPARED:
+                allowed = tolerance(torch.bfloat16, f"attention_{key}")
+                diff, scale = errors[key]
+                assert math.isfinite(diff) and diff <= allowed.atol + allowed.rtol * scale, (rank, plan, key, diff)
 
 
 def _forward_received(rank, world_size, name):

@@ -164,8 +164,6 @@ def _groups_task(rank, world_size, cases):
 
 def _batch_groups(data: dict, batch: int) -> int:
     """How many batch groups the call's padding makes (:mod:`burstc.ops.batch_groups`)."""
-    if data.get("key_valid") is None:
-        return 1
     return len(batch_row_groups(MaskData(None, data["key_valid"]), batch))
 
 

@@ -108,6 +108,11 @@ class BatchGroup:
     data: object
 
 
+def row_count(rows: Rows, batch: int) -> int:
+    """How many of a batch of ``batch`` rows ``rows`` selects."""
+    return len(range(batch)[rows]) if isinstance(rows, slice) else rows.numel()
+
+
 def rows_of(members: list[int], device) -> Rows:
     """A slice for consecutive rows, else an index tensor."""
     if members == list(range(members[0], members[-1] + 1)):

@@ -86,12 +86,12 @@ GroupLoop = Generator[None, None, tuple]
 
 def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, slices: Sequence[Sequence[slice]],
                   batch_rows: Sequence | None = None) -> tuple[Tensor, ...]:
-    """Run the head groups' loops in order, each group's first transfer posted before the previous group's
-    body and its last hop waited for after the next group's body.  ``outputs``: whole-head tensors each
-    group's results are copied into as it finishes (``results[i]`` into heads ``slices[g][i]`` of
-    ``outputs[i]``, dim 1), so a group's result is freed at once; one group's results are returned as they
-    are (``outputs`` None).  ``batch_rows``: each loop's batch rows of the outputs (a slice or an index,
-    :mod:`burstc.ops.batch_groups`), None for all."""
+    """Run a call's loops (one per head group of each batch group) in order, each loop's first transfer posted
+    before the previous loop's body and its last hop waited for after the next loop's body.  ``outputs``: whole
+    tensors each loop's results are copied into as it finishes (``results[i]`` into heads ``slices[g][i]`` and
+    batch rows ``batch_rows[g]`` of ``outputs[i]``), so a loop's result is freed at once; a single loop's
+    results are returned as they are (``outputs`` None).  ``batch_rows``: each loop's batch rows of the outputs
+    (a slice or an index, :mod:`burstc.ops.batch_groups`), None for all."""
     parts_run, finished = [0] * len(loops), [False] * len(loops)
     single: list[tuple] = []
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -54,7 +55,7 @@ from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, 
                                    pairs_hidden_by_data, runs_length, travelling_rows, valid_key_runs)
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
-from burstc.ops.batch_groups import batch_row_groups, take_rows
+from burstc.ops.batch_groups import BatchGroup, batch_row_groups, take_rows
 from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
@@ -351,6 +352,22 @@ def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, sc
             merge_attention_block_(acc.out[:, :, block.q_rows], acc.lse[:, :, block.q_rows], out_blk, lse_blk)
 
 
+def _call_pieces(data: MaskData, inputs: Sequence[Tensor | None], ring: Ring, mask: MaskSpec,
+                 recorder: CallRecorder) -> Iterator[tuple[BatchGroup, list[Tensor | None], slice, slice]]:
+    """The pieces a ring call runs as, one loop each: ``(batch group, its rows of inputs, query heads, K/V
+    heads)`` for each batch group (:mod:`burstc.ops.batch_groups`) and each of its head groups
+    (:mod:`burstc.ops.head_groups`).  ``inputs`` start with the call's ``q``, ``k`` (None entries stay None)."""
+    groups = batch_row_groups(data, inputs[0].shape[0])
+    head_groups = 0
+    for group in groups:
+        taken = [take_rows(t, group.rows) for t in inputs]
+        slices = call_head_slices(taken[0], taken[1], ring.size, bool(mask.score_mods))
+        head_groups = max(head_groups, len(slices))
+        for q_heads, kv_heads in slices:
+            yield group, taken, q_heads, kv_heads
+    recorder.split(len(groups), head_groups)
+
+
 def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, layout: str, mask: MaskSpec,
                  scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor]:
     """This rank's ``(out in q.dtype, lse_BHS fp32)`` rows of attention over the whole ring, run as a pipeline of
@@ -364,13 +381,11 @@ def ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: Ring, lay
         from burstc.ops.double_ring import double_ring_forward_loop as loop
     recorder = CallRecorder("forward", None, ring, layout, mask.encode(), q_BHSD, k_BHSD)
     loops, places, batch_rows = [], [], []
-    for group in batch_row_groups(data, q_BHSD.shape[0]):
-        q_group, k_group, v_group = (take_rows(t, group.rows) for t in (q_BHSD, k_BHSD, v_BHSD))
-        for q_heads, kv_heads in call_head_slices(q_group, k_group, ring.size, bool(mask.score_mods)):
-            loops.append(loop(q_group[:, q_heads], k_group[:, kv_heads], v_group[:, kv_heads], ring, layout, mask,
-                              scale, group.data, recorder))
-            places.append((q_heads, q_heads))
-            batch_rows.append(group.rows)
+    for group, (q, k, v), q_heads, kv_heads in _call_pieces(data, (q_BHSD, k_BHSD, v_BHSD), ring, mask, recorder):
+        loops.append(loop(q[:, q_heads], k[:, kv_heads], v[:, kv_heads], ring, layout, mask, scale, group.data,
+                          recorder))
+        places.append((q_heads, q_heads))
+        batch_rows.append(group.rows)
     outputs = None
     if len(loops) > 1:
         batch, heads_q, local_len, head_dim = q_BHSD.shape
@@ -436,15 +451,14 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
         return None if t is None else t[:, selected]
 
     loops, places, batch_rows = [], [], []
-    for group in batch_row_groups(data, q_BHSD.shape[0]):
-        grad_out, q, k, v, out, lse, delta = (take_rows(t, group.rows) for t in (
-            grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, delta_BHS))
-        for q_heads, kv_heads in call_head_slices(q, k, ring.size, bool(mask.score_mods)):
-            loops.append(loop(BACKWARD_PLANS[plan], grad_out[:, q_heads], q[:, q_heads], k[:, kv_heads],
-                              v[:, kv_heads], heads(out, q_heads), lse[:, q_heads], heads(delta, q_heads), ring,
-                              layout, mask, scale, recorder, group.data))
-            places.append((q_heads, kv_heads, kv_heads))
-            batch_rows.append(group.rows)
+    inputs = (q_BHSD, k_BHSD, v_BHSD, grad_out_BHSD, out_BHSD, lse_BHS, delta_BHS)
+    for group, (q, k, v, grad_out, out, lse, delta), q_heads, kv_heads in _call_pieces(data, inputs, ring, mask,
+                                                                                       recorder):
+        loops.append(loop(BACKWARD_PLANS[plan], grad_out[:, q_heads], q[:, q_heads], k[:, kv_heads],
+                          v[:, kv_heads], heads(out, q_heads), lse[:, q_heads], heads(delta, q_heads), ring,
+                          layout, mask, scale, recorder, group.data))
+        places.append((q_heads, kv_heads, kv_heads))
+        batch_rows.append(group.rows)
     outputs = None
     if len(loops) > 1:
         outputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_BHSD, k_BHSD, v_BHSD))

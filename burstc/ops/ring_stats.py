@@ -67,6 +67,11 @@ class RingCallStats:
     """Seconds from the call's start (its recorder's creation) to its end (publication)."""
     compute_s: float = 0.0
     """Seconds of those spent in the compute steps (the block kernels and their merges)."""
+    batch_groups: int = 1
+    """Groups of batch rows the call ran as, one ring loop each (:mod:`burstc.ops.batch_groups`: key padding whose
+    rows disagree); decided per call from the padding."""
+    head_groups: int = 1
+    """Head groups each batch group ran as (:mod:`burstc.ops.head_groups`; the most over the batch groups)."""
 
     @property
     def causal(self) -> bool:
@@ -259,6 +264,11 @@ class CallRecorder:
             entries = batch * block.score_entries if visible is None else visible
             self.stats.work_per_step[step] += heads_q * entries
             self.stats.kernel_entries_per_step[step] += heads_q * batch * block.kernel_entries
+
+    def split(self, batch_groups: int, head_groups: int) -> None:
+        """The call runs as ``batch_groups`` x (up to) ``head_groups`` ring loops."""
+        if self.enabled:
+            self.stats.batch_groups, self.stats.head_groups = batch_groups, head_groups
 
     def publish(self) -> None:
         if self.enabled:

@@ -119,13 +119,13 @@ def data_transfers(predict, layout, mask: MaskSpec, local_len: int, world_size: 
     (a planner prediction, :class:`burstc.planner.Transfers` per op) for each of the call's batch groups
     (:mod:`burstc.ops.batch_groups`: a padded batch whose rows disagree runs one loop per group, each sending its
     own rows), with that group's hidden pairs and travelling rows, summed."""
-    from burstc.ops.batch_groups import batch_row_groups
+    from burstc.ops.batch_groups import batch_row_groups, row_count
     from burstc.ops.ring_loops import MaskData
 
     total = None
     for group in batch_row_groups(MaskData(doc_ids, key_valid), batch):
         docs, valid = group.data.doc_ids_BS, group.data.key_valid_BS
-        group_batch = batch if docs is None and valid is None else (valid if docs is None else docs).shape[0]
+        group_batch = row_count(group.rows, batch)
         hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, docs, valid)
         found = predict(group_batch, hidden, data_rows(layout, mask, local_len, world_size, docs, valid))
         total = found if total is None else {op: _add_transfers(total[op], found[op]) for op in total}
