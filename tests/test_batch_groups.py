@@ -20,6 +20,7 @@ from burstc.ops.batch_groups import MAX_BATCH_GROUPS, batch_groups_forced, batch
 from burstc.ops.ring_loops import MaskData
 from burstc.planner import data_zero_redundancy_bound
 from burstc.testing import tolerance
+from burstc.testing.balance import batch_groups_bound
 from test_ring_runtime_masks import _sdpa_reference, _visible, error_vs
 
 CAUSAL, PAD, DOCS = MaskSpec.causal(), KeyPadding("attention_mask"), Documents("position_ids")
@@ -196,12 +197,8 @@ def test_each_group_receives_exactly_its_zero_redundancy_bound(workers, name):
     per_rank = workers.get(world_size).run(_forward_received, name)
     groups = per_rank[0][1]
     assert len(groups) > 1, groups
-    bound = [0] * world_size
-    for rows in groups:
-        index = list(range(*rows)) if isinstance(rows, tuple) else rows
-        group_bound = data_zero_redundancy_bound("zigzag", MASKS[name], seq_len, world_size, len(index), 2, 2,
-                                                 HEAD_DIM, torch.float32, key_valid_BS=valid[index])["forward"]
-        bound = [a + b for a, b in zip(bound, group_bound)]
+    bound = list(batch_groups_bound("zigzag", MASKS[name], seq_len, world_size, 5, 2, 2, HEAD_DIM, torch.float32,
+                                    None, valid)["forward"])
     assert [received for received, _ in per_rank] == bound
     # between the bound of a ring that sent each batch row alone and the unsplit batch's
     per_row = data_zero_redundancy_bound("zigzag", MASKS[name], seq_len, world_size, 5, 2, 2, HEAD_DIM, torch.float32,

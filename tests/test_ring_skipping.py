@@ -285,7 +285,9 @@ def test_counters_equal_prediction_and_bound_and_results_stay_exact(workers, wor
                     # K/V rows that are padding in every batch row stay home: padding alone receives exactly
                     # the data's bound (every K/V row some query sees, once), in the forward and the kv_ring
                     if name == "padding" and key != "burst":
-                        assert sum(received) == simulated.bound[key][rank], (context, op)
+                        grouped = balance.batch_groups_bound(layout, mask, seq_len, world_size, BATCH, HEADS_Q,
+                                                             HEADS_KV, HEAD_DIM, torch.float32, **data)
+                        assert sum(received) == grouped[key][rank] >= simulated.bound[key][rank], (context, op)
                         skipped_padding += bound[key][rank] - sum(received)
                     else:  # packed documents (sorted ids) send only their trimmed blocks' rows
                         assert (sum(received) == bound[key][rank]) or hidden or mask.term(Documents) or \

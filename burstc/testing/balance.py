@@ -41,7 +41,9 @@ class Balance:
     counters count them) in the forward and the ``kv_ring`` backward; ``work_by_op`` the same per op
     (``"forward"``, ``"kv_ring"``, ``"burst"``: the burst backward computes at the keys' owner).  ``transfers``: :class:`burstc.planner.Transfers` per op (``"forward"``,
     ``"kv_ring"``, ``"burst"``); ``bound``: the zero-redundancy bytes each rank must receive, per op;
-    ``dense``: bytes per rank of the mask-blind ring, per op."""
+    ``dense``: bytes per rank of the mask-blind ring, per op.  With runtime data the bound counts each batch row's
+    needs alone (``data_zero_redundancy_bound(..., per_batch_row=True)``), so ``over_bound`` >= 1 holds for the
+    batch groups too."""
 
     mask: MaskSpec
     layout: str
@@ -81,8 +83,9 @@ def simulate(mask: MaskSpec | str, layout: str, world_size: int, seq_len: int, *
     masked = masked_plan(layout, static, seq_len, world_size, batch, heads_q, heads_kv, head_dim, dtype, plan)
     bound = masked.bound_per_rank
     if doc_ids is not None or key_valid is not None:
+        # each batch row's own needs: the op's batch groups send at least this, the unsplit batch more
         bound = data_zero_redundancy_bound(layout, mask, seq_len, world_size, batch, heads_q, heads_kv, head_dim,
-                                           dtype, doc_ids, key_valid)
+                                           dtype, doc_ids, key_valid, per_batch_row=True)
         transfers = data_transfers(
             lambda group_batch, hidden, rows: predicted_transfers(layout, static, seq_len, world_size, group_batch,
                                                                   heads_q, heads_kv, head_dim, dtype, hidden,
@@ -129,6 +132,22 @@ def data_transfers(predict, layout, mask: MaskSpec, local_len: int, world_size: 
         hidden = pairs_hidden_by_data(layout, mask, local_len, world_size, docs, valid)
         found = predict(group_batch, hidden, data_rows(layout, mask, local_len, world_size, docs, valid))
         total = found if total is None else {op: _add_transfers(total[op], found[op]) for op in total}
+    return total
+
+
+def batch_groups_bound(layout, mask: MaskSpec, seq_len: int, world_size: int, batch: int, heads_q: int,
+                       heads_kv: int, head_dim: int, dtype, doc_ids, key_valid) -> dict[str, tuple[int, ...]]:
+    """The zero-redundancy bound of the batch groups the op runs a call's data as (each group's bound, summed):
+    what a call that sends each group's rows once to each rank needing them receives; between the per-batch-row
+    bound and the whole batch's (:func:`burstc.planner.data_zero_redundancy_bound`)."""
+    from burstc.ops.batch_groups import batch_row_groups, row_count
+    from burstc.ops.ring_loops import MaskData
+
+    total: dict[str, tuple[int, ...]] = {}
+    for group in batch_row_groups(MaskData(doc_ids, key_valid), batch):
+        found = data_zero_redundancy_bound(layout, mask, seq_len, world_size, row_count(group.rows, batch), heads_q,
+                                           heads_kv, head_dim, dtype, group.data.doc_ids_BS, group.data.key_valid_BS)
+        total = {op: tuple(a + b for a, b in zip(total.get(op, (0,) * world_size), got)) for op, got in found.items()}
     return total
 
 
