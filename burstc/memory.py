@@ -452,13 +452,17 @@ def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> in
     spec = MaskSpec.decode(mask)
     batch, heads_q, local_len, head_dim = q.shape
     heads_kv, elem = k.shape[1], q.element_size()
+    # batch groups: index-gathered rows of q, k, v, at most one copy over all groups (may_run_batch_groups)
+    gathered = sum(t.numel() * t.element_size() for t in (q, k, v)) if may_run_batch_groups(spec, batch) else 0
     groups = shard_head_groups(*k.shape, k.element_size(), world_size, bool(spec.score_mods))
     # a head group's buffers: two groups' are alive at once (burstc.ops.head_groups), each 1/groups of them
     heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups
     kv_row = 2 * batch * heads_kv * head_dim * elem
     sliced_copy = groups > 1 and batch > 1  # a group's heads of a [B, H, S, D] tensor are contiguous when B = 1
     home = 0 if k.is_contiguous() and v.is_contiguous() and not sliced_copy else local_len * kv_row
-    accumulator = batch * heads_q * local_len * head_dim * ACC_BYTES if elem != ACC_BYTES or groups > 1 else 0
+    # a loop's result is copied into the whole outputs when the call runs as more than one loop
+    several_loops = groups > 1 or gathered > 0
+    accumulator = batch * heads_q * local_len * head_dim * ACC_BYTES if elem != ACC_BYTES or several_loops else 0
     worst = 0
     for rank in range(world_size):
         q_rows, kv_rows = _largest_block_rows(layout, spec, local_len, world_size, rank, False)
@@ -467,7 +471,18 @@ def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> in
             block += batch * (heads_q * q_rows + 2 * heads_kv * kv_rows) * head_dim * ACC_BYTES
         arrivals = _arrival_bytes(False, layout, spec, rank, local_len, world_size, kv_row)
         worst = max(worst, home + arrivals + accumulator + block)
-    return worst
+    return gathered + worst
+
+
+def may_run_batch_groups(spec, batch: int) -> bool:
+    """Whether a call may run as batch groups (:mod:`burstc.ops.batch_groups`): key padding over more than one
+    batch row, the groups decided at run time.  The estimate then counts, at most, one gathered copy of the op's
+    inputs (a group of rows that are not consecutive is an index-gathered copy, all groups together copy the
+    inputs at most once) and each loop's results copied into the whole outputs; each loop's own buffers shrink to
+    its group's rows (two consecutive loops together hold at most the whole batch's share), so the rest stands."""
+    from burstc.attention_ir import KeyPadding
+
+    return batch > 1 and spec.term(KeyPadding) is not None
 
 
 def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, world_size: int) -> int:
@@ -485,7 +500,11 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
     queries_travel = resolve_plan(plan, q, k, world_size, layout, spec) == "burst"
     q_bytes = batch * heads_q * local_len * head_dim * elem
     rows_bhs = batch * heads_q * local_len * ACC_BYTES
-    total = 0 if grad_out.is_contiguous() else q_bytes
+    # batch groups gather grad_out, q, k, v, out (q's size) and the lse and delta rows (fp32 [B, Hq, S] each)
+    gathered = 0
+    if may_run_batch_groups(spec, batch):
+        gathered = sum(t.numel() * t.element_size() for t in (grad_out, q, k, v, q)) + 2 * rows_bhs
+    total = gathered + (0 if grad_out.is_contiguous() else q_bytes)
     if queries_travel:  # delta = rowsum(out * dO) travels (whole heads, before the groups), its product a transient
         total += rows_bhs + q_bytes * ACC_BYTES // elem
     groups = shard_head_groups(*k.shape, k.element_size(), world_size, bool(spec.score_mods))
@@ -494,7 +513,8 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
     heads_q, heads_kv = heads_q * min(2, groups) // groups, heads_kv * min(2, groups) // groups
     q_bytes = batch * heads_q * local_len * head_dim * elem
     kv_bytes = batch * heads_kv * local_len * head_dim * elem
-    total += 0 if elem == ACC_BYTES and groups == 1 else (q_bytes + 2 * kv_bytes) * ACC_BYTES // elem
+    several_loops = groups > 1 or gathered > 0  # each loop's fp32 gradients, copied into the whole outputs
+    total += 0 if elem == ACC_BYTES and not several_loops else (q_bytes + 2 * kv_bytes) * ACC_BYTES // elem
     sliced_copy = groups > 1 and batch > 1  # a group's heads of a [B, H, S, D] tensor are contiguous when B = 1
     if queries_travel:
         total += 0 if q.is_contiguous() and not sliced_copy else q_bytes

@@ -458,3 +458,28 @@ def test_report_warns_when_inductor_peaks_above_a_budget_the_fx_order_fit(monkey
     assert report.budget_check_line() is None
     estimate.step_peak, estimate.scheduled = 120 * 2**20, False  # FX order (cache hit): the plan's own prediction
     assert report.budget_check_line() is None
+
+
+@pytest.mark.parametrize("plan", ["kv_ring", "burst"])
+def test_a_padded_batch_counts_its_batch_groups_copies(plan):
+    """Key padding over more than one batch row may run as batch groups (decided at run time): the estimate adds
+    one gathered copy of the op's inputs and, in fp32, each loop's results copied into the whole outputs."""
+    from burstc.attention_ir import KeyPadding, MaskSpec
+    from burstc.memory import ring_backward_buffers, ring_forward_buffers
+
+    causal = MaskSpec.causal()
+    padded = (causal & KeyPadding("attention_mask")).encode()
+    for batch in (1, 3):
+        q, k, v, grad_out = (torch.empty(batch, 4, 64, 16) for _ in range(4))
+        tensor_bytes = q.numel() * 4
+        forward_extra = ring_forward_buffers(q, k, v, "zigzag", padded, 2) - \
+            ring_forward_buffers(q, k, v, "zigzag", causal.encode(), 2)
+        backward_extra = ring_backward_buffers(grad_out, q, k, v, "zigzag", padded, plan, 2) - \
+            ring_backward_buffers(grad_out, q, k, v, "zigzag", causal.encode(), plan, 2)
+        if batch == 1:
+            assert forward_extra == backward_extra == 0
+        else:
+            rows = batch * 4 * 64 * 4  # lse or delta, fp32 [B, H, S]
+            assert forward_extra == 3 * tensor_bytes + tensor_bytes  # q, k, v gathered; the fp32 accumulator
+            # grad_out, q, k, v, out, lse, delta gathered; each loop's fp32 dq, dk, dv
+            assert backward_extra == 5 * tensor_bytes + 2 * rows + 3 * tensor_bytes
