@@ -442,6 +442,45 @@ def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int
     return best
 
 
+@functools.lru_cache(maxsize=4096)
+def _masked_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool
+                       ) -> tuple[int, int]:
+    """(query rows, key rows) of the largest block ``rank`` may run on the element-wise masked kernel
+    (:mod:`burstc.kernels.masked_attention_blocks`), (0, 0) if none: with runtime terms or score mods any block
+    (the data decide which), else the static :data:`~burstc.block_geometry.POSITIONS` blocks."""
+    from burstc.block_geometry import POSITIONS, blocks
+
+    any_block = bool(mask.runtime_terms or mask.score_mods)
+    best = (0, 0)
+    for step in range(world_size):
+        other = (rank - step) % world_size
+        q_owner, kv_owner = (other, rank) if queries_travel else (rank, other)
+        for block in blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size):
+            if any_block or block.mask == POSITIONS:
+                rows = (block.q_stop - block.q_start, block.kv_stop - block.kv_start)
+                best = max(best, rows, key=lambda r: r[0] * r[1])
+    return best
+
+
+def masked_kernel_bytes(op: str, spec, q_rows: int, kv_rows: int, batch: int, heads_q: int, heads_kv: int,
+                        head_dim: int, elem: int) -> int:
+    """Bytes one call of the masked block kernel holds on a ``q_rows`` x ``kv_rows`` block (``op``: "forward" or
+    "backward"): its fp32 score chunks alive at once, K and V repeated to the query heads in fp32 (unless they
+    are already), and its fp32 results (out and lse; dq, and dk, dv at the query heads, before folding)."""
+    from burstc.attention_ir import SoftCap
+    from burstc.kernels.masked_attention_blocks import temporary_bytes
+
+    if q_rows == 0:
+        return 0
+    scores = temporary_bytes(op, batch, heads_q, q_rows, kv_rows, spec.term(SoftCap) is not None)
+    kv_copies = 0 if heads_q == heads_kv and elem == ACC_BYTES else 2 * batch * heads_q * kv_rows * head_dim * ACC_BYTES
+    if op == "forward":
+        results = batch * heads_q * q_rows * (head_dim + 1) * ACC_BYTES
+    else:
+        results = batch * heads_q * (q_rows + 2 * kv_rows) * head_dim * ACC_BYTES
+    return scores + kv_copies + results
+
+
 def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> int:
     """Bytes :func:`burstc.ops.ring_loops.ring_forward` holds beyond its outputs, on its busiest rank: copies of
     non-contiguous K/V, the two arriving K/V sets, the fp32 output accumulator (when the output is not fp32),
@@ -470,7 +509,10 @@ def ring_forward_buffers(q, k, v, layout: str, mask: str, world_size: int) -> in
         if elem != ACC_BYTES:  # the CPU flash kernel runs low-precision blocks in fp32
             block += batch * (heads_q * q_rows + 2 * heads_kv * kv_rows) * head_dim * ACC_BYTES
         arrivals = _arrival_bytes(False, layout, spec, rank, local_len, world_size, kv_row)
-        worst = max(worst, home + arrivals + accumulator + block)
+        masked = masked_kernel_bytes("forward", spec, *_masked_block_rows(layout, spec, local_len, world_size, rank,
+                                                                          False), batch, heads_q, heads_kv, head_dim,
+                                     elem)
+        worst = max(worst, home + arrivals + accumulator + max(block, masked))
     return gathered + worst
 
 
@@ -533,7 +575,10 @@ def ring_backward_buffers(grad_out, q, k, v, layout: str, mask: str, plan: str, 
         q_rows, kv_rows = _largest_block_rows(layout, spec, local_len, world_size, rank, queries_travel)
         q_rows, kv_rows = max(q_rows, local_len), max(kv_rows, local_len)  # step 0's diagonal block is whole
         block = batch * (heads_q * q_rows + 2 * heads_kv * kv_rows) * head_dim * elem
-        worst = max(worst, arrivals + partials + returning + block)
+        masked = masked_kernel_bytes("backward", spec, *_masked_block_rows(layout, spec, local_len, world_size, rank,
+                                                                           queries_travel), batch, heads_q, heads_kv,
+                                     head_dim, elem)
+        worst = max(worst, arrivals + partials + returning + max(block, masked))
     return total + worst
 
 

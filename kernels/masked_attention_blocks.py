@@ -3,7 +3,7 @@
 A :data:`burstc.block_geometry.POSITIONS` block (a sliding window's edge), and any block when the
 spec has score mods (:class:`~burstc.attention_ir.Alibi`, :class:`~burstc.attention_ir.SoftCap`),
 runs here: plain torch in fp32, chunked over query rows like the reference kernels of
-:mod:`burstc.kernels.attention_blocks` (same score budget), and each chunk only touches the key
+:mod:`burstc.kernels.attention_blocks` (a smaller score budget, :data:`MASKED_SCORE_BUDGET_BYTES`), and each chunk only touches the key
 columns its rows can see (binary search on the positions), so a narrow window costs its band, not
 the block.  Scores, in order: ``s = scale * q k^T``; ALiBi ``s + slope_h * (j - i)``; soft-cap
 ``c * tanh(s / c)``; then hidden entries are ``-inf``.  Same contracts and LSE convention as the
@@ -25,8 +25,20 @@ from torch import Tensor
 
 from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SoftCap
 from burstc.block_geometry import visible_intervals
-from burstc.kernels.attention_blocks import _reference_row_chunk, _repeat_kv_heads
+from burstc.kernels.attention_blocks import _REFERENCE_MIN_ROWS, _repeat_kv_heads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta
+
+
+# fp32 score chunk budget of the masked kernels: a chunk's temporaries are several scores-sized tensors at once
+# (TEMPORARY_CHUNKS), so a 256 MiB chunk (the reference kernels' budget) held 777 MiB in the forward and 1,048 MiB
+# in the backward of a [4, 4, 2048, 2048] block; 32 MiB chunks held 105 / 181 MiB and ran 1.3-1.5x faster (fewer
+# cache misses; benchmarks/masked_chunk_budget.py)
+MASKED_SCORE_BUDGET_BYTES = 32 * 2**20
+
+
+def _masked_row_chunk(batch: int, heads: int, kv_len: int) -> int:
+    """Query rows per chunk: one fp32 ``[B, H, rows, kv_len]`` score chunk within the budget, at least 16 rows."""
+    return max(_REFERENCE_MIN_ROWS, MASKED_SCORE_BUDGET_BYTES // max(1, batch * heads * kv_len * 4))
 
 
 def _chunks(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, batch: int, heads: int) -> Iterator[tuple[slice, slice]]:
@@ -34,11 +46,30 @@ def _chunks(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, batch: int, heads: in
     that see nothing are skipped."""
     lo, hi = visible_intervals(q_pos, kv_pos, mask)
     seen = hi > lo
-    chunk = _reference_row_chunk(batch, heads, kv_pos.numel())
+    chunk = _masked_row_chunk(batch, heads, kv_pos.numel())
     for start in range(0, q_pos.numel(), chunk):
         rows = slice(start, start + chunk)
         if bool(seen[rows].any()):
             yield rows, slice(int(lo[rows][seen[rows]].min()), int(hi[rows].max()))
+
+
+# fp32 score-sized temporaries alive at once (measured, benchmarks/masked_chunk_budget.py): forward scores,
+# (scores - lse), exp; backward scores, probs, (dO v^T - delta), dscores for a block of one chunk, and with more
+# chunks the last chunk's scores, probs, dscores (alive until the loop rebinds them) beside the next chunk's two;
+# a soft-cap keeps tanh and adds (1 - tanh^2)
+TEMPORARY_CHUNKS = {"forward": 3, "backward": 5}
+ONE_CHUNK_TEMPORARIES = {"forward": 3, "backward": 4}
+SOFTCAP_TEMPORARY_CHUNKS = {"forward": 1, "backward": 2}
+
+
+def temporary_bytes(op: str, batch: int, heads_q: int, q_rows: int, kv_rows: int, softcap: bool) -> int:
+    """The fp32 score-sized temporaries :func:`masked_block_forward` (``op`` "forward") or
+    :func:`masked_block_backward` holds at once on a ``q_rows`` x ``kv_rows`` block: chunks of at most the
+    masked kernels' score budget (at least 16 rows, :func:`_chunks`)."""
+    rows = _masked_row_chunk(batch, heads_q, kv_rows)
+    count = (TEMPORARY_CHUNKS if rows < q_rows else ONE_CHUNK_TEMPORARIES)[op]
+    count += SOFTCAP_TEMPORARY_CHUNKS[op] if softcap else 0
+    return count * batch * heads_q * min(q_rows, rows) * kv_rows * 4
 
 
 def visible_entries(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, doc_ids_BS: Tensor | None = None,
@@ -108,7 +139,6 @@ def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor,
     dq32 = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
     dk32 = torch.zeros(batch, heads_q, kv_len, head_dim, dtype=acc, device=q_BHSD.device)
     dv32 = torch.zeros_like(dk32)
-    softcap = mask.term(SoftCap)
     for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
         q32, do32 = q_BHSD[:, :, rows].to(acc), grad_out_BHSD[:, :, rows].to(acc)
         scores, tanh = _scores(q32, k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale, doc_ids_BS, key_valid_BS)

@@ -464,18 +464,19 @@ def test_report_warns_when_inductor_peaks_above_a_budget_the_fx_order_fit(monkey
 def test_a_padded_batch_counts_its_batch_groups_copies(plan):
     """Key padding over more than one batch row may run as batch groups (decided at run time): the estimate adds
     one gathered copy of the op's inputs and, in fp32, each loop's results copied into the whole outputs."""
-    from burstc.attention_ir import KeyPadding, MaskSpec
+    from burstc.attention_ir import Documents, KeyPadding, MaskSpec
     from burstc.memory import ring_backward_buffers, ring_forward_buffers
 
-    causal = MaskSpec.causal()
-    padded = (causal & KeyPadding("attention_mask")).encode()
+    # against packed documents: also runtime data (the masked kernel's estimate alike), but no batch groups
+    documents = (MaskSpec.causal() & Documents("position_ids")).encode()
+    padded = (MaskSpec.causal() & KeyPadding("attention_mask")).encode()
     for batch in (1, 3):
         q, k, v, grad_out = (torch.empty(batch, 4, 64, 16) for _ in range(4))
         tensor_bytes = q.numel() * 4
         forward_extra = ring_forward_buffers(q, k, v, "zigzag", padded, 2) - \
-            ring_forward_buffers(q, k, v, "zigzag", causal.encode(), 2)
+            ring_forward_buffers(q, k, v, "zigzag", documents, 2)
         backward_extra = ring_backward_buffers(grad_out, q, k, v, "zigzag", padded, plan, 2) - \
-            ring_backward_buffers(grad_out, q, k, v, "zigzag", causal.encode(), plan, 2)
+            ring_backward_buffers(grad_out, q, k, v, "zigzag", documents, plan, 2)
         if batch == 1:
             assert forward_extra == backward_extra == 0
         else:
@@ -483,3 +484,31 @@ def test_a_padded_batch_counts_its_batch_groups_copies(plan):
             assert forward_extra == 3 * tensor_bytes + tensor_bytes  # q, k, v gathered; the fp32 accumulator
             # grad_out, q, k, v, out, lse, delta gathered; each loop's fp32 dq, dk, dv
             assert backward_extra == 5 * tensor_bytes + 2 * rows + 3 * tensor_bytes
+
+
+@pytest.mark.parametrize("budget_mib", [128, 8])
+def test_masked_block_kernel_memory_matches_its_estimate(monkeypatch, budget_mib):
+    """The element-wise masked kernel's measured peak (one block, forward and backward, after a warm-up call)
+    against ``masked_kernel_bytes``: one chunk (128 MiB budget) and sixteen (8 MiB), within 10%."""
+    import burstc.kernels.masked_attention_blocks as masked
+    from burstc.attention_ir import KeyPadding, MaskSpec
+    from burstc.memory import masked_kernel_bytes
+
+    monkeypatch.setattr(masked, "MASKED_SCORE_BUDGET_BYTES", budget_mib * MIB)
+    exact_cpu_peaks()
+    B, H, S, D = 2, 2, 2048, 32
+    spec = MaskSpec.causal() & KeyPadding("attention_mask")
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, S // 3:] = False
+    q, k, v, grad_out = (torch.randn(B, H, S, D) for _ in range(4))
+    positions = torch.arange(S)
+    for _ in range(2):  # the first call's allocations (BLAS buffers) are not the kernel's
+        with measure_peak("cpu") as forward:
+            out, lse = masked.masked_block_forward(q, k, v, positions, positions, spec, 0.2, key_valid_BS=valid)
+        with measure_peak("cpu") as backward:
+            grads = masked.masked_block_backward(grad_out, q, k, v, lse, None, out, positions, positions, spec, 0.2,
+                                                 key_valid_BS=valid)
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    for op, peak in (("forward", forward), ("backward", backward)):
+        predicted = masked_kernel_bytes(op, spec, S, S, B, H, H, D, 4)
+        assert 0.9 <= peak.extra_bytes / predicted <= 1.1, (op, peak.extra_bytes / MIB, predicted / MIB)

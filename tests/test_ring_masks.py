@@ -165,7 +165,7 @@ KERNEL_MASKS = {
 def test_masked_kernels_match_dense_autograd(name, heads_kv, monkeypatch):
     """Forward and backward of one block at positions with gaps (a zigzag-like pair), against the
     dense reference's autograd; tiny row chunks so that the chunking and column narrowing are used."""
-    monkeypatch.setattr("burstc.kernels.masked_attention_blocks._reference_row_chunk", lambda *a: 3)
+    monkeypatch.setattr("burstc.kernels.masked_attention_blocks._masked_row_chunk", lambda *a: 3)
     mask, scale = KERNEL_MASKS[name], 0.4
     generator = torch.Generator().manual_seed(7)
     q_pos = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])

@@ -97,7 +97,7 @@ def error_vs(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 def test_masked_kernel_with_runtime_data_matches_dense_sdpa(name, monkeypatch):
     """A block at positions with gaps (a zigzag-like pair), fp64, tiny row chunks: out, lse, dq, dk,
     dv against SDPA with the dense mask; rows that see nothing give lse -inf, out 0, zero grads."""
-    monkeypatch.setattr("burstc.kernels.masked_attention_blocks._reference_row_chunk", lambda *a: 3)
+    monkeypatch.setattr("burstc.kernels.masked_attention_blocks._masked_row_chunk", lambda *a: 3)
     mask, scale = MASKS[name], 0.4
     doc_ids_BS, key_valid_BS = mask_data(16, seed=3)
     q_pos, kv_pos = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]), torch.tensor([0, 2, 3, 4, 5, 8, 9, 10, 11, 15])

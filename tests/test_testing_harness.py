@@ -112,7 +112,8 @@ def test_timeout_raises_within_timeout_and_tears_down():
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\].*within 1.0 s"):
             group.run(_sleep, 60, timeout=1.0)
-        assert time.monotonic() - start < 10
+        # well before the 60 s sleep ends (a loaded 2-core machine took 10.9 s to raise and tear down)
+        assert time.monotonic() - start < 30
         assert not group.alive
 
 
