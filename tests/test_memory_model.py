@@ -486,20 +486,22 @@ def test_a_padded_batch_counts_its_batch_groups_copies(plan):
             assert backward_extra == 5 * tensor_bytes + 2 * rows + 3 * tensor_bytes
 
 
-@pytest.mark.parametrize("budget_mib", [128, 8])
-def test_masked_block_kernel_memory_matches_its_estimate(monkeypatch, budget_mib):
+@pytest.mark.parametrize("budget_mib, seq_len", [(64, 1024), (32, 4096)], ids=["one_chunk", "sixteen_chunks"])
+def test_masked_block_kernel_memory_matches_its_estimate(monkeypatch, budget_mib, seq_len):
     """The element-wise masked kernel's measured peak (one block, forward and backward, after a warm-up call)
-    against ``masked_kernel_bytes``: one chunk (128 MiB budget) and sixteen (8 MiB), within 10%."""
+    against ``masked_kernel_bytes``, one chunk and sixteen of 32 MiB each: within 15% (the measurement is the
+    process's resident peak: a few MiB of mask booleans and allocator slack ride on it).  Eight heads, so that the
+    [B, rows, keys] booleans are 1/32 of a chunk."""
     import burstc.kernels.masked_attention_blocks as masked
     from burstc.attention_ir import KeyPadding, MaskSpec
     from burstc.memory import masked_kernel_bytes
 
     monkeypatch.setattr(masked, "MASKED_SCORE_BUDGET_BYTES", budget_mib * MIB)
     exact_cpu_peaks()
-    B, H, S, D = 2, 2, 2048, 32
+    B, H, S, D = 1, 8, seq_len, 32
     spec = MaskSpec.causal() & KeyPadding("attention_mask")
     valid = torch.ones(B, S, dtype=torch.bool)
-    valid[1, S // 3:] = False
+    valid[0, S - S // 3:] = False
     q, k, v, grad_out = (torch.randn(B, H, S, D) for _ in range(4))
     positions = torch.arange(S)
     for _ in range(2):  # the first call's allocations (BLAS buffers) are not the kernel's
@@ -511,4 +513,4 @@ def test_masked_block_kernel_memory_matches_its_estimate(monkeypatch, budget_mib
     assert all(bool(torch.isfinite(g).all()) for g in grads)
     for op, peak in (("forward", forward), ("backward", backward)):
         predicted = masked_kernel_bytes(op, spec, S, S, B, H, H, D, 4)
-        assert 0.9 <= peak.extra_bytes / predicted <= 1.1, (op, peak.extra_bytes / MIB, predicted / MIB)
+        assert 0.9 <= peak.extra_bytes / predicted <= 1.15, (op, peak.extra_bytes / MIB, predicted / MIB)
