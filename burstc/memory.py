@@ -428,38 +428,37 @@ def _arrival_bytes(queries_travel: bool, layout, mask, rank: int, local_len: int
 
 
 @functools.lru_cache(maxsize=4096)
-def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool | None):
-    """(query rows, key rows) of the largest block ``rank`` computes after step 0 (both 0 on one rank)."""
-    from burstc.block_geometry import blocks
+def _rank_blocks(layout, static_mask, local_len: int, world_size: int, rank: int, queries_travel: bool
+                 ) -> tuple[tuple[int, int, int, bool], ...]:
+    """``(step, query rows, key rows, on the element-wise POSITIONS path)`` of every block ``rank`` computes,
+    step by step (the one walk both estimates below read)."""
+    from burstc.block_geometry import POSITIONS, blocks
 
-    best = (0, 0)
-    for step in range(1, world_size):
+    found = []
+    for step in range(world_size):
         other = (rank - step) % world_size
         q_owner, kv_owner = (other, rank) if queries_travel else (rank, other)
-        for block in blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size):
-            rows = (block.q_stop - block.q_start, block.kv_stop - block.kv_start)
-            best = max(best, rows, key=lambda r: r[0] + r[1])
-    return best
+        for block in blocks(layout, static_mask, q_owner, kv_owner, local_len, world_size):
+            found.append((step, block.q_stop - block.q_start, block.kv_stop - block.kv_start,
+                          block.mask == POSITIONS))
+    return tuple(found)
 
 
-@functools.lru_cache(maxsize=4096)
+def _largest_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool | None):
+    """(query rows, key rows) of the largest block ``rank`` computes after step 0 (both 0 on one rank)."""
+    walk = _rank_blocks(layout, mask.static_part, local_len, world_size, rank, bool(queries_travel))
+    return max(((q, kv) for step, q, kv, _ in walk if step > 0), key=lambda r: r[0] + r[1], default=(0, 0))
+
+
 def _masked_block_rows(layout, mask, local_len: int, world_size: int, rank: int, queries_travel: bool
                        ) -> tuple[int, int]:
     """(query rows, key rows) of the largest block ``rank`` may run on the element-wise masked kernel
     (:mod:`burstc.kernels.masked_attention_blocks`), (0, 0) if none: with runtime terms or score mods any block
     (the data decide which), else the static :data:`~burstc.block_geometry.POSITIONS` blocks."""
-    from burstc.block_geometry import POSITIONS, blocks
-
     any_block = bool(mask.runtime_terms or mask.score_mods)
-    best = (0, 0)
-    for step in range(world_size):
-        other = (rank - step) % world_size
-        q_owner, kv_owner = (other, rank) if queries_travel else (rank, other)
-        for block in blocks(layout, mask.static_part, q_owner, kv_owner, local_len, world_size):
-            if any_block or block.mask == POSITIONS:
-                rows = (block.q_stop - block.q_start, block.kv_stop - block.kv_start)
-                best = max(best, rows, key=lambda r: r[0] * r[1])
-    return best
+    walk = _rank_blocks(layout, mask.static_part, local_len, world_size, rank, bool(queries_travel))
+    return max(((q, kv) for _, q, kv, positions in walk if any_block or positions), key=lambda r: r[0] * r[1],
+               default=(0, 0))
 
 
 def masked_kernel_bytes(op: str, spec, q_rows: int, kv_rows: int, batch: int, heads_q: int, heads_kv: int,

@@ -176,8 +176,11 @@ _REFERENCE_SCORE_BUDGET_BYTES = 256 * 2**20
 _REFERENCE_MIN_ROWS = 16
 
 
-def _reference_row_chunk(batch: int, heads: int, kv_len: int) -> int:
-    return max(_REFERENCE_MIN_ROWS, _REFERENCE_SCORE_BUDGET_BYTES // max(1, batch * heads * kv_len * 4))
+def _reference_row_chunk(batch: int, heads: int, kv_len: int, budget_bytes: int | None = None) -> int:
+    """Query rows per chunk: one fp32 ``[B, H, rows, kv_len]`` buffer within ``budget_bytes`` (the reference
+    kernels' budget by default, read at call time), never fewer than 16 rows."""
+    budget = _REFERENCE_SCORE_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    return max(_REFERENCE_MIN_ROWS, budget // max(1, batch * heads * kv_len * 4))
 
 
 def _repeat_kv_heads(t_BHSD: Tensor, groups: int) -> Tensor:

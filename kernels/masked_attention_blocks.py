@@ -25,7 +25,7 @@ from torch import Tensor
 
 from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SoftCap
 from burstc.block_geometry import visible_intervals
-from burstc.kernels.attention_blocks import _REFERENCE_MIN_ROWS, _repeat_kv_heads
+from burstc.kernels.attention_blocks import _reference_row_chunk, _repeat_kv_heads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta
 
 
@@ -38,7 +38,7 @@ MASKED_SCORE_BUDGET_BYTES = 32 * 2**20
 
 def _masked_row_chunk(batch: int, heads: int, kv_len: int) -> int:
     """Query rows per chunk: one fp32 ``[B, H, rows, kv_len]`` score chunk within the budget, at least 16 rows."""
-    return max(_REFERENCE_MIN_ROWS, MASKED_SCORE_BUDGET_BYTES // max(1, batch * heads * kv_len * 4))
+    return _reference_row_chunk(batch, heads, kv_len, budget_bytes=MASKED_SCORE_BUDGET_BYTES)
 
 
 def _chunks(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, batch: int, heads: int) -> Iterator[tuple[slice, slice]]:
