@@ -300,6 +300,12 @@ def _reason(details: dict, ring: str) -> str:
         ranked = " < ".join(f"{name} {seconds * 1e3:.4g} ms" for name, seconds in sorted(predicted.items(),
                                                                                            key=lambda kv: kv[1]))
         why = f"cost model, forward + backward: {ranked}"
+        fastest = min(predicted.values())
+        if ring in predicted and predicted[ring] > fastest:
+            from burstc.cost_model import NEAR_TIE
+
+            why += (f"; {ring} within {NEAR_TIE:.0%} of the fastest, a tie: ties go to the ring that sends fewer "
+                    "bytes between nodes")
     else:
         why = "one sequence dim: the flat ring"
     if details.get("ring_note"):

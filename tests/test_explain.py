@@ -180,3 +180,16 @@ def test_a_refused_graph_and_a_tokens_targets_model():
     ring, plan, by_link = _expected(2, 4, 1, 4, 2, 16, torch.float32, result.device.machine, seq_len=65536)
     name = {"double": "double 2x4", "ulysses": "ulysses_ring 2x4", "flat": "flat"}[ring]
     assert all(a.ring == name and a.plan == plan for a in result.attentions)
+
+
+def test_the_reason_says_when_a_near_tie_went_to_the_ring_predicted_slower():
+    # choose_ring takes the first candidate within NEAR_TIE of the fastest (the double ring before the flat one):
+    # the reason, which lists the rings fastest first, must say why the listed-first one was not taken
+    details = {"predicted_seconds": {"double": 1.2324, "ulysses": 1.236, "flat": 1.2322}, "plan": "kv_ring",
+               "planner_choice": "kv_ring", "heads": "32q/8kv"}
+    why = explain_module._reason(details, "double")
+    assert why.startswith("cost model, forward + backward: flat 1232 ms < double 1232 ms < ulysses 1236 ms"), why
+    assert "double within 1% of the fastest, a tie" in why
+    assert "a tie" not in explain_module._reason(details, "flat")
+    assert "a tie" not in explain_module._reason({**details, "predicted_seconds": {"double": 1.0, "flat": 1.0}},
+                                                 "double")
