@@ -145,19 +145,21 @@ def block_attention_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, caus
 
 def block_attention_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
                              lse_BHS: Tensor, delta_BHS: Tensor | None, out_BHSD: Tensor | None,
-                             causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                             causal: bool, scale: float, delta_has_lse_grad: bool = True
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *global* softmax statistics of its query rows.
 
     ``lse_BHS`` and ``delta_BHS = rowsum(out * grad_out)`` (fp32) are those of the full attention
     row, so per-block results add up to the exact gradients.  Pass ``out_BHSD`` (the global output
     rows) or ``delta_BHS``, or both (then they must agree).  The CPU flash and the fused CUDA kernels
     run with a stand-in output when only delta is given; the plain-torch kernel when no stand-in
-    exists (see :func:`burstc.ops.lse_merge.stand_in_output`) and where :func:`block_kernel` says so.
+    exists (see :func:`burstc.ops.lse_merge.stand_in_output`; ``delta_has_lse_grad`` False: delta is
+    ``rowsum(out * grad_out)`` exactly, so one does) and where :func:`block_kernel` says so.
     """
     kernel = block_kernel(q_BHSD, k_BHSD, v_BHSD, causal)
     if kernel != "reference":
         if out_BHSD is None:
-            out_BHSD = stand_in_output(grad_out_BHSD, delta_BHS)
+            out_BHSD = stand_in_output(grad_out_BHSD, delta_BHS, delta_has_lse_grad)
         if out_BHSD is not None:
             if kernel != "cpu_flash":
                 return _fused_backward(kernel, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, causal,

@@ -105,15 +105,18 @@ def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask
 
 def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: Tensor, kv_pos: Tensor,
                          mask: MaskSpec, scale: float, doc_ids_BS: Tensor | None = None,
-                         key_valid_BS: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(out fp32, lse_BHS fp32)`` of one block with queries/keys at global positions ``q_pos``/``kv_pos``."""
+                         key_valid_BS: Tensor | None = None, chunk_positions: tuple[Tensor, Tensor] | None = None
+                         ) -> tuple[Tensor, Tensor]:
+    """``(out fp32, lse_BHS fp32)`` of one block with queries/keys at global positions ``q_pos``/``kv_pos``.
+    ``chunk_positions``: the same positions on the host, where the chunks are chosen (default: ``q_pos``, ``kv_pos``;
+    on a GPU pass host ones, or every chunk's choice waits for the device)."""
     batch, heads_q, q_len, head_dim = q_BHSD.shape
     acc = torch.promote_types(q_BHSD.dtype, ACC_DTYPE)
     groups = heads_q // k_BHSD.shape[1]
     k32, v32 = _repeat_kv_heads(k_BHSD, groups).to(acc), _repeat_kv_heads(v_BHSD, groups).to(acc)
     out = torch.zeros(batch, heads_q, q_len, head_dim, dtype=acc, device=q_BHSD.device)
     lse = torch.full((batch, heads_q, q_len), float("-inf"), dtype=acc, device=q_BHSD.device)
-    for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
+    for rows, cols in _chunks(*(chunk_positions or (q_pos, kv_pos)), mask, batch, heads_q):
         scores, _ = _scores(q_BHSD[:, :, rows].to(acc), k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale,
                             doc_ids_BS, key_valid_BS)
         lse_chunk = torch.logsumexp(scores, -1)
@@ -126,9 +129,11 @@ def masked_block_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, q_pos: 
 def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, lse_BHS: Tensor,
                           delta_BHS: Tensor | None, out_BHSD: Tensor | None, q_pos: Tensor, kv_pos: Tensor,
                           mask: MaskSpec, scale: float, doc_ids_BS: Tensor | None = None,
-                          key_valid_BS: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                          key_valid_BS: Tensor | None = None, chunk_positions: tuple[Tensor, Tensor] | None = None
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one block given the *global* row statistics ``lse`` and ``delta``
-    (or ``out``, from which delta is computed), in the inputs' dtypes."""
+    (or ``out``, from which delta is computed), in the inputs' dtypes (``chunk_positions``: as in
+    :func:`masked_block_forward`)."""
     batch, heads_q, _, head_dim = q_BHSD.shape
     heads_kv, kv_len = k_BHSD.shape[1], k_BHSD.shape[2]
     groups = heads_q // heads_kv
@@ -139,7 +144,7 @@ def masked_block_backward(grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor,
     dq32 = torch.zeros(q_BHSD.shape, dtype=acc, device=q_BHSD.device)
     dk32 = torch.zeros(batch, heads_q, kv_len, head_dim, dtype=acc, device=q_BHSD.device)
     dv32 = torch.zeros_like(dk32)
-    for rows, cols in _chunks(q_pos, kv_pos, mask, batch, heads_q):
+    for rows, cols in _chunks(*(chunk_positions or (q_pos, kv_pos)), mask, batch, heads_q):
         q32, do32 = q_BHSD[:, :, rows].to(acc), grad_out_BHSD[:, :, rows].to(acc)
         scores, tanh = _scores(q32, k32[:, :, cols], q_pos[rows], kv_pos[cols], mask, scale, doc_ids_BS, key_valid_BS)
         lse_rows = lse_BHS[:, :, rows].to(acc)

@@ -146,13 +146,20 @@ def batch_row_groups(data, batch: int) -> list[BatchGroup]:
     limit = _LIMIT.requested() or MAX_BATCH_GROUPS
     if limit < 2:
         return whole
-    first, stop = row_extents(key_valid_BS)
+    host = data.host  # decided on the host copy (burstc.ops.host_reads): no synchronization per call on a GPU
+    first, stop = row_extents(host.key_valid_BS)
     members = partition_rows(first, stop, limit)
     if len(members) < 2:
         return whole
     groups = []
     for rows in members:
         selected = rows_of(rows, key_valid_BS.device)
+        group_host = None  # on the CPU the group's data are their own host copy
+        if host is not data:
+            host_rows = rows_of(rows, host.key_valid_BS.device)
+            group_host = dataclasses.replace(host, doc_ids_BS=take_rows(host.doc_ids_BS, host_rows),
+                                             key_valid_BS=take_rows(host.key_valid_BS, host_rows))
         groups.append(BatchGroup(selected, dataclasses.replace(
-            data, doc_ids_BS=take_rows(data.doc_ids_BS, selected), key_valid_BS=take_rows(key_valid_BS, selected))))
+            data, doc_ids_BS=take_rows(data.doc_ids_BS, selected), key_valid_BS=take_rows(key_valid_BS, selected),
+            host_data=group_host)))
     return groups

@@ -52,7 +52,7 @@ def attention_delta(out_BHSD: Tensor, grad_out_BHSD: Tensor) -> Tensor:
     return (out_BHSD.to(ACC_DTYPE) * grad_out_BHSD.to(ACC_DTYPE)).sum(-1)
 
 
-def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor) -> Tensor | None:
+def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor, delta_has_lse_grad: bool = True) -> Tensor | None:
     """An ``out`` for the CPU flash backward that only reproduces ``rowsum(out * grad_out) = delta``.
 
     The kernel uses ``out`` for nothing else (tests check it: perturbing out orthogonally to
@@ -61,12 +61,14 @@ def stand_in_output(grad_out_BHSD: Tensor, delta_BHS: Tensor) -> Tensor | None:
     ``delta`` has to travel.  Exact up to fp32 rounding for fp32 inputs; in bf16/fp16 the stand-in
     is rounded like any output.  A row with ``grad_out = 0`` gets 0, which is right when ``delta =
     0`` there (no lse gradient); ``None`` if some such row has ``delta != 0`` (only an lse gradient
-    can do that): no stand-in exists and the caller must use a kernel that takes delta.
+    can do that): no stand-in exists and the caller must use a kernel that takes delta.  Without an lse gradient
+    (``delta_has_lse_grad`` False) such a row cannot exist (``delta = rowsum(out * 0) = 0``): the check, a read on
+    the host that would synchronize a GPU at every block, is skipped.
     """
     grad_out = grad_out_BHSD.to(ACC_DTYPE)
     norm_sq = (grad_out * grad_out).sum(-1, keepdim=True)
     delta = delta_BHS.unsqueeze(-1)
-    if bool(((norm_sq == 0) & (delta != 0)).any()):
+    if delta_has_lse_grad and bool(((norm_sq == 0) & (delta != 0)).any()):
         return None
     ratio = torch.where(norm_sq > 0, delta / norm_sq, torch.zeros_like(norm_sq))
     return (grad_out * ratio).to(grad_out_BHSD.dtype)

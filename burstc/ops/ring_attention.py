@@ -210,10 +210,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, doc_ids, key_valid, chunk_owners)
     ctx.config = tuple(config)  # (group_names, layout, mask, scale, plan)
     ctx.uniform_rows = (uniform_rows_keys, uniform_rows_score_grad)
+    # an output nothing reads gets None, not zeros: the lse is rarely read, and the backward would otherwise have to
+    # read a zero lse gradient on the host to know it is zero (a synchronization on a GPU, every call)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, doc_ids, key_valid, chunk_owners = ctx.saved_tensors
+    if grad_out is None:  # only the lse is read
+        grad_out = torch.zeros_like(out)
     dq, dk, dv = torch.ops.burstc.ring_attention_backward(grad_out, q, k, v, out, lse, grad_lse, *ctx.config,
                                                           doc_ids, key_valid, *ctx.uniform_rows, chunk_owners)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None

@@ -57,6 +57,7 @@ from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.batch_groups import BatchGroup, batch_row_groups, take_rows
 from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined
+from burstc.ops import host_reads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
 from burstc.ops.ring_stats import CallRecorder
@@ -93,9 +94,27 @@ class MaskData:
     # a forward over each rank's first query rows only (a checkpoint's recompute of the rows it did not keep): the
     # result holds just those rows, and only the key rows they see travel; None: every row
     query_rows: int | None = None
+    # a backward whose delta includes an lse gradient (a row with grad_out 0 may have delta != 0)
+    lse_grad: bool = False
+
+    # the same data readable on the host (:mod:`burstc.ops.host_reads`): every decision of the call (blocks, hidden
+    # pairs, travelling rows, batch groups) reads these, the kernels the tensors above; None: made when first read
+    host_data: MaskData | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def kernel_args(self) -> dict:
         return {"doc_ids_BS": self.doc_ids_BS, "key_valid_BS": self.key_valid_BS}
+
+    @functools.cached_property
+    def host(self) -> MaskData:
+        """This call's data on the host (itself when its tensors already are: the CPU)."""
+        if self.host_data is not None:
+            return self.host_data
+        if all(t is None or host_reads.on_host(t) for t in (self.doc_ids_BS, self.key_valid_BS)):
+            return self
+        host = MaskData(host_reads.host_copy(self.doc_ids_BS), host_reads.host_copy(self.key_valid_BS),
+                        self.query_rows, self.lse_grad)
+        object.__setattr__(host, "host_data", host)  # the copy is its own host data
+        return host
 
     @functools.cached_property
     def memo(self) -> dict:
@@ -106,7 +125,7 @@ class MaskData:
     def packed_documents(self) -> bool:
         """Document ids nondecreasing in every row: blocks can be trimmed to the documents
         (:func:`trim_blocks_to_documents`)."""
-        return self.doc_ids_BS is not None and documents_sorted(self.doc_ids_BS)
+        return self.doc_ids_BS is not None and documents_sorted(self.host.doc_ids_BS)
 
 
 def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local_len: int, ring: Ring,
@@ -118,7 +137,7 @@ def _pair_blocks(layout: str, mask: MaskSpec, q_owner: int, kv_owner: int, local
     key = ("blocks", layout, mask, q_owner, kv_owner, local_len, ring.size)
     if key not in data.memo:
         found = blocks(layout, mask, q_owner, kv_owner, local_len, ring.size) if not mask.runtime_terms else \
-            data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.kernel_args(),
+            data_blocks(layout, mask, q_owner, kv_owner, local_len, ring.size, **data.host.kernel_args(),
                         packed_documents=data.packed_documents)
         if data.query_rows is not None:
             found = clip_pair_to_rows(found, data.query_rows, layout, mask, q_owner, kv_owner, local_len, ring.size)
@@ -139,7 +158,7 @@ def _rows_between(queries_travel: bool, layout: str, mask: MaskSpec, local_len: 
     move nothing; with packed documents or key padding, the rows the pair's data blocks read
     (:func:`burstc.block_geometry.document_travelling_rows`: both sides derive them from the same replicated data).
     ``ring`` needs ``size`` (and ``rank`` unless ``any_pair``)."""
-    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.kernel_args(),
+    hidden = pairs_hidden_by_data(layout, mask, local_len, ring.size, **data.host.kernel_args(),
                                   rank=None if any_pair else ring.rank)
     if data.query_rows is not None:
         if queries_travel:
@@ -168,7 +187,7 @@ def _valid_key_runs(layout, owner: int, local_len: int, ring, data: MaskData) ->
     """The key rows of ``owner`` that are a real token in some batch row (remembered for the call)."""
     key = ("valid_keys", layout, owner, local_len, ring.size)
     if key not in data.memo:
-        data.memo[key] = valid_key_runs(layout, owner, local_len, ring.size, data.key_valid_BS)
+        data.memo[key] = valid_key_runs(layout, owner, local_len, ring.size, data.host.key_valid_BS)
     return data.memo[key]
 
 
@@ -190,6 +209,15 @@ def _positions_of(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_ow
             local_positions(seq_len, ring.size, kv_owner, layout, device)[block.kv_rows])
 
 
+def _chunk_positions(block: Block, mask: MaskSpec, layout: str, q_owner: int, kv_owner: int, local_len: int,
+                     ring: Ring, device) -> dict:
+    """The masked kernel's ``chunk_positions`` argument: the block's positions on the host, where it chooses its
+    chunks (none needed when the device is the host)."""
+    if host_reads.host_device(device):
+        return {}
+    return {"chunk_positions": _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, "cpu")}
+
+
 def _flash_forward(block: Block, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, scale: float):
     """The flash-style kernel of a full, causal or anti-causal block.  Anti-causal (row r sees keys r..): with the
     rows and the keys reversed it is top-left causal, so the causal kernel serves it and its output rows are
@@ -200,13 +228,13 @@ def _flash_forward(block: Block, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
     return block_attention_forward(q_BHSD, k_BHSD, v_BHSD, block.causal, scale)
 
 
-def _flash_backward(block: Block, inputs: tuple, scale: float):
+def _flash_backward(block: Block, inputs: tuple, scale: float, lse_grad: bool):
     """:func:`_flash_forward`'s backward: ``inputs`` (dO, q, k, v, lse, delta, out; dim 2 the sequence in each)
     reversed for an anti-causal block, and its gradients reversed back."""
     if block.mask == ANTI_CAUSAL:
         flipped = tuple(None if t is None else t.flip(2) for t in inputs)
-        return tuple(grad.flip(2) for grad in block_attention_backward(*flipped, True, scale))
-    return block_attention_backward(*inputs, block.causal, scale)
+        return tuple(grad.flip(2) for grad in block_attention_backward(*flipped, True, scale, lse_grad))
+    return block_attention_backward(*inputs, block.causal, scale, lse_grad)
 
 
 def _record(recorder: CallRecorder, step: int, block: Block, positions, mask: MaskSpec, data: MaskData,
@@ -336,7 +364,9 @@ def _attend_forward_blocks(q_BHSD, kv_cur, kv_owner, acc, ring, layout, mask, sc
             out_blk, lse_blk = _flash_forward(block, q_blk, k_blk, v_blk, scale)
         else:
             out_blk, lse_blk = masked_block_forward(q_blk, k_blk, v_blk, *positions, mask, scale,
-                                                    **data.kernel_args())
+                                                    **data.kernel_args(), **_chunk_positions(
+                                                        block, mask, layout, rank, kv_owner, local_len, ring,
+                                                        q_BHSD.device))
         _record(recorder, step, block, positions, mask, data, batch, heads_q)
         if acc.starts_empty:
             rows = block.q_rows
@@ -444,6 +474,8 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
         delta_BHS = attention_delta(out_BHSD, grad_out_BHSD) - grad_lse_BHS.to(ACC_DTYPE) if lse_has_grad else None
     # ``out`` is only right for the kernel where delta is not adjusted; else a stand-in carries delta.
     out_BHSD = None if lse_has_grad else out_BHSD
+    if lse_has_grad:
+        data = dataclasses.replace(data, lse_grad=True)
     loop = _backward_loop
     if isinstance(ring, TwoLevelRing):
         from burstc.ops.double_ring import double_ring_backward_loop as loop
@@ -503,9 +535,11 @@ def _attend_backward_blocks(plan, travelling, home, q_owner, kv_owner, out, grad
                   None if own_out is None else own_out[:, :, rows])
         positions = _positions_of(block, mask, layout, q_owner, kv_owner, local_len, ring, grads[_DQ].device)
         if positions is None:
-            block_grads = _flash_backward(block, inputs, scale)
+            block_grads = _flash_backward(block, inputs, scale, data.lse_grad)
         else:
-            block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args())
+            block_grads = masked_block_backward(*inputs, *positions, mask, scale, **data.kernel_args(),
+                                                **_chunk_positions(block, mask, layout, q_owner, kv_owner, local_len,
+                                                                   ring, grads[_DQ].device))
         _record(recorder, step, block, positions, mask, data, batch, heads_q)
         for i in plan.home_grads:
             _add_rows_(grads[i], _rows(i, block), block_grads[i])
