@@ -19,7 +19,7 @@ import weakref
 import torch
 from torch import Tensor
 
-_REMEMBERED = 16  # tensors whose host copy is kept (a step's mask tensors, a few calls' batch groups)
+_REMEMBERED = 8  # tensors whose host copy is kept: a step has one or two (document ids, key validity)
 _copies: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 read_backs = 0
 """Device-to-host copies made so far (tests count them)."""
