@@ -16,7 +16,11 @@ Three parts, each row printed as it finishes, a Markdown table at the end:
    (causal FLOPs: 4·B·H·S²·D/2 forward, 2.5x that backward); the fused loss forward + backward against
    ``linear`` + ``cross_entropy`` (and Liger's / Cut-Cross-Entropy's when installed), time, TFLOP/s
    (6·N·H·V), GB/s of the hidden states, weight and their gradients, and peak memory above the inputs.
-3. **A training step** of a ~1B-parameter HF Llama config (Llama-3.2-1B's shapes) at 32K tokens on one device,
+3. **Host synchronizations** of ring calls on one rank (P = 1, a gloo group of one), causal and with packed
+   documents and padding: the synchronizing CUDA calls ``torch.cuda.set_sync_debug_mode`` reports per forward and
+   backward (each one waits for the GPU's queue; ``burstc/ops/host_reads.py``: the target is one read-back of the
+   mask data per step, none for a static mask). On CPU the calls run, uncounted.
+4. **A training step** of a ~1B-parameter HF Llama config (Llama-3.2-1B's shapes) at 32K tokens on one device,
    ``burstc.compile(model)`` (the fused loss; no mesh), AdamW, bf16: seconds per step, tokens/s, peak memory and
    MFU (FLOPs counted as BurstEngine does: ``burstc.bench.end_to_end.step_flops``) against the device's
    measured bf16 matmul peak.
@@ -299,6 +303,61 @@ def time_loss(dev: Device, tokens, hidden_size, vocab, dtype, repeats) -> dict:
     return result
 
 
+def ring_host_syncs(dev: Device, tiny: bool) -> dict:
+    """``{mask: {"forward": n, "backward": n}}``: synchronizing CUDA calls of one ring call on a one-rank group, after
+    a warm-up call (the block geometry's caches filled); on CPU the calls run and ``n`` is None (nothing to count)."""
+    import tempfile
+    import warnings
+
+    import torch.distributed as dist
+
+    from burstc.attention_ir import Documents, KeyPadding, MaskSpec
+    from burstc.ops import ring_attention as ra
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        with tempfile.NamedTemporaryFile(delete=False) as rendezvous:
+            dist.init_process_group("gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+    batch, heads, seq, head_dim = (2, 2, 64, 16) if tiny else (2, 8, 4096, 64)
+    generator = torch.Generator().manual_seed(0)
+    doc_ids = (torch.rand(batch, seq, generator=generator) < 8 / seq).long().cumsum(1).to(dev.device)
+    key_valid = torch.ones(batch, seq, dtype=torch.bool)
+    key_valid[0, seq - seq // 4:] = False
+    key_valid = key_valid.to(dev.device)
+    masks = {"causal": (MaskSpec.causal(), {}),
+             "causal & documents & padding": (MaskSpec.causal() & Documents("doc_ids") & KeyPadding("mask"),
+                                              {"doc_ids": doc_ids, "key_valid": key_valid})}
+    found = {}
+    try:
+        for name, (mask, data) in masks.items():
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device=dev.device, requires_grad=True)
+                       for _ in range(3))
+            counts = {}
+            for call in range(2):
+                for part in ("forward", "backward"):
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        if dev.cuda:
+                            torch.cuda.set_sync_debug_mode("warn")
+                        try:
+                            if part == "forward":
+                                out = ra.ring_attention(q, k, v, mask=mask, layout="zigzag", plan="burst", **data)
+                            else:
+                                out.float().square().sum().backward()
+                        finally:
+                            if dev.cuda:
+                                torch.cuda.set_sync_debug_mode(0)
+                    if dev.cuda:
+                        torch.cuda.synchronize(dev.device)
+                    counts[part] = sum("synchroniz" in str(w.message) for w in caught) if dev.cuda else None
+            found[name] = counts
+            print(f"ring host syncs, {name}: {counts}", flush=True)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return found
+
+
 def measured_matmul_tflops(dev: Device, size: int, dtype) -> float:
     a, b = torch.randn(size, size, device=dev.device, dtype=dtype), torch.randn(size, size, device=dev.device,
                                                                                     dtype=dtype)
@@ -379,6 +438,15 @@ def markdown(summary: dict) -> str:
     if summary.get("matmul_tflops"):
         lines += ["", f"Measured bf16 matmul peak: {summary['matmul_tflops']:.0f} TFLOP/s"
                       + (f" (nominal {summary['nominal_tflops']:.0f})" if summary.get("nominal_tflops") else "")]
+    syncs = summary.get("ring_host_syncs")
+    if syncs:
+        lines += ["", "## Ring host synchronizations (one rank, after a warm-up call)", ""]
+        if "error" in syncs:
+            lines.append(f"failed: {syncs['error']}")
+        else:
+            lines += ["| mask | forward | backward |", "|---|---|---|"]
+            shown = lambda count: "–" if count is None else str(count)  # noqa: E731  (None: not counted, CPU)
+            lines += [f"| {mask} | {shown(n['forward'])} | {shown(n['backward'])} |" for mask, n in syncs.items()]
     step = summary.get("train_step")
     if step:
         lines += ["", "## Training step (one device)", ""]
@@ -435,6 +503,11 @@ def main(argv=None) -> int:
                               if isinstance(v, dict) and "ms" in v), flush=True)
 
     summary = {"device": dev.describe(), "checks": checks, "timings": timings}
+    try:
+        summary["ring_host_syncs"] = ring_host_syncs(dev, tiny)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal: the kernel checks above still count
+        summary["ring_host_syncs"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"ring host syncs: {summary['ring_host_syncs']}", flush=True)
     peak = None
     if dev.cuda:
         summary["matmul_tflops"] = peak = measured_matmul_tflops(dev, 8192, torch.bfloat16)

@@ -18,6 +18,7 @@ whose global LSE is ``-inf`` (it sees nothing anywhere) gets zero gradients, not
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SoftCap
 from burstc.block_geometry import visible_intervals
 from burstc.kernels.attention_blocks import _reference_row_chunk, _repeat_kv_heads
+from burstc.ops import host_reads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta
 
 
@@ -83,6 +85,12 @@ def visible_entries(q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, doc_ids_BS: T
     return mask.visible(q_pos, kv_pos, **docs, kv_valid=valid)
 
 
+@functools.lru_cache(maxsize=64)
+def _slopes(slopes: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """ALiBi's slopes on the device, copied once (a copy per chunk would also wait for the device each time)."""
+    return host_reads.to_device(torch.tensor(slopes, dtype=dtype), device)
+
+
 def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask: MaskSpec, scale: float,
             doc_ids_BS: Tensor | None, key_valid_BS: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """Modded scores (``-inf`` where hidden) of a chunk and, with soft-cap, ``tanh(s / c)`` for the backward."""
@@ -91,7 +99,7 @@ def _scores(q_chunk: Tensor, k_cols: Tensor, q_pos: Tensor, kv_pos: Tensor, mask
     if alibi is not None:
         if len(alibi.slopes) != q_chunk.shape[1]:
             raise ValueError(f"ALiBi has {len(alibi.slopes)} slopes for {q_chunk.shape[1]} query heads")
-        slopes_H11 = torch.tensor(alibi.slopes, dtype=scores.dtype, device=scores.device).view(1, -1, 1, 1)
+        slopes_H11 = _slopes(alibi.slopes, scores.dtype, scores.device).view(1, -1, 1, 1)
         scores = scores + slopes_H11 * (kv_pos[None, :] - q_pos[:, None]).to(scores.dtype)
     tanh = None
     if softcap is not None:

@@ -38,6 +38,10 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path):
     assert "error" not in step and step["tokens"] == 256 and step["rewrites"] == ["lm_head_loss"]
     assert torch.isfinite(torch.tensor(step["loss"])) and step["step s"] > 0
     assert "| attention block |" in (tmp_path / "gpu_check.md").read_text()
+    # the ring calls run on a one-rank group (counted on CUDA only)
+    assert summary["ring_host_syncs"] == {mask: {"forward": None, "backward": None}
+                                          for mask in ("causal", "causal & documents & padding")}
+    assert "| causal & documents & padding | – | – |" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_gpu_check_fails_on_a_wrong_kernel(monkeypatch, tmp_path):

@@ -179,3 +179,27 @@ def _runtime_masks_read_back_once(rank, world_size, layout, plan):
 def test_runtime_masks_decide_on_one_host_copy_per_step(workers, layout, plan):
     for read_backs, identical in workers.get(2).run(_runtime_masks_read_back_once, layout, plan):
         assert identical and read_backs == 2, (read_backs, identical)  # doc ids and key validity, once each
+
+
+def test_copies_to_a_device_are_pinned_and_made_once(monkeypatch):
+    """A host tensor copied to a GPU the usual way waits for the stream: the ring's copies (batch-group row indices,
+    ALiBi's slopes, a chunk layout's positions) go through host_reads.to_device, once each."""
+    from burstc.attention_ir import Alibi
+    from burstc.kernels import masked_attention_blocks as masked
+    from burstc.layout import ChunkLayout, local_positions
+    from burstc.ops.batch_groups import rows_of
+
+    pinned = []
+    monkeypatch.setattr(host_reads, "host_device", lambda device: False)
+    monkeypatch.setattr(host_reads, "_pinned", lambda t: pinned.append(t) or t)
+    monkeypatch.setattr(masked, "_masked_row_chunk", lambda *a: 2)  # several chunks: the slopes copied once
+    masked._slopes.cache_clear()
+    assert torch.equal(rows_of([0, 2], "cpu"), torch.tensor([0, 2])) and len(pinned) == 1
+    assert rows_of([1, 2], "cpu") == slice(1, 3) and len(pinned) == 1  # consecutive rows: a slice, no copy
+    q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    masked_block_forward(q, k, v, torch.arange(5, 11), torch.arange(5), CAUSAL & Alibi((0.5, 0.25)), 0.5)
+    assert len(pinned) == 2 and pinned[-1].tolist() == [0.5, 0.25]
+    layout = ChunkLayout(2, (0, 1, 1, 0))
+    first = local_positions(8, 2, 1, layout, "cpu")
+    assert local_positions(8, 2, 1, layout, "cpu") is first and first.tolist() == [2, 3, 4, 5] and len(pinned) == 3
+    masked._slopes.cache_clear()

@@ -32,6 +32,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from burstc.ops import host_reads
 from burstc.ops.split_limit import SplitLimit
 
 MAX_BATCH_GROUPS = 4
@@ -117,7 +118,7 @@ def rows_of(members: list[int], device) -> Rows:
     """A slice for consecutive rows, else an index tensor."""
     if members == list(range(members[0], members[-1] + 1)):
         return slice(members[0], members[-1] + 1)
-    return torch.tensor(members, dtype=torch.int64, device=device)
+    return host_reads.to_device(torch.tensor(members, dtype=torch.int64), device)
 
 
 def take_rows(t: Tensor | None, rows: Rows) -> Tensor | None:

@@ -11,6 +11,9 @@ every decision reads the copy; the kernels still take the device tensors.
 A model passes the same mask tensors to every attention layer of a step and saves them for the backward, so the
 copy is remembered per tensor object (until it is freed or written in place): one read-back per tensor per step.
 On the CPU the copy is the tensor itself.
+
+The other way, a host tensor copied to a GPU the usual way (``.to(device)``, ``torch.tensor(..., device=)``) waits
+for the stream too (a pageable copy synchronizes): :func:`to_device` copies from pinned memory without waiting.
 """
 from __future__ import annotations
 
@@ -54,3 +57,15 @@ def host_copy(t: Tensor | None) -> Tensor | None:
             _copies.pop(next(iter(_copies)))
         _copies[key] = (weakref.ref(t), version, copy)
     return copy
+
+
+def _pinned(t: Tensor) -> Tensor:
+    return t.pin_memory()
+
+
+def to_device(t: Tensor, device) -> Tensor:
+    """Host tensor ``t`` on ``device``, without waiting for the device's queued work (a pinned, non-blocking copy;
+    torch keeps the pinned block until the copy is done); on the host, ``t`` itself."""
+    if host_device(device):
+        return t.to(device)
+    return _pinned(t).to(device, non_blocking=True)

@@ -37,6 +37,7 @@ from burstc.attention_ir import Documents, KeyPadding, MaskSpec
 from burstc.layout import DOCUMENTS, ChunkLayout, check_layout, resolve_layout
 from burstc.ops.autocast import cast_like_lower_precision, register_lower_precision, without_autocast
 from burstc.block_geometry import check_executable
+from burstc.ops import host_reads
 from burstc.ops.hidden_rows import add_uniform_rows_, local_hidden_rows, uniform_rows_grads
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, resolve_group
@@ -355,7 +356,8 @@ def ring_attention_with_lse(q: Tensor, k: Tensor, v: Tensor, *, group_or_mesh=No
         if (layout.seq_len, layout.world_size) != (q.shape[2] * world_size, world_size):
             raise ValueError(f"the chunk layout covers {layout.seq_len} tokens on {layout.world_size} ranks, the call "
                              f"{q.shape[2] * world_size} on {world_size}")
-        layout, chunk_owners = DOCUMENTS, torch.tensor(layout.owners, dtype=torch.int64, device=q.device)
+        layout, chunk_owners = DOCUMENTS, host_reads.to_device(torch.tensor(layout.owners, dtype=torch.int64),
+                                                               q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if ring == "ulysses":
         from burstc.ops.ulysses import hybrid_applies
