@@ -438,24 +438,21 @@ def markdown(summary: dict) -> str:
     if summary.get("matmul_tflops"):
         lines += ["", f"Measured bf16 matmul peak: {summary['matmul_tflops']:.0f} TFLOP/s"
                       + (f" (nominal {summary['nominal_tflops']:.0f})" if summary.get("nominal_tflops") else "")]
-    syncs = summary.get("ring_host_syncs")
-    if syncs:
-        lines += ["", "## Ring host synchronizations (one rank, after a warm-up call)", ""]
-        if "error" in syncs:
-            lines.append(f"failed: {syncs['error']}")
-        else:
-            lines += ["| mask | forward | backward |", "|---|---|---|"]
-            shown = lambda count: "–" if count is None else str(count)  # noqa: E731  (None: not counted, CPU)
-            lines += [f"| {mask} | {shown(n['forward'])} | {shown(n['backward'])} |" for mask, n in syncs.items()]
-    step = summary.get("train_step")
-    if step:
-        lines += ["", "## Training step (one device)", ""]
-        if "error" in step:
-            lines.append(f"failed: {step['error']}")
-        else:
-            lines += ["| " + " | ".join(step) + " |", "|" + "---|" * len(step),
-                      "| " + " | ".join(_fmt(v) for v in step.values()) + " |"]
+    shown = lambda count: "–" if count is None else str(count)  # noqa: E731  (None: not counted, on CPU)
+    lines += _section(summary.get("ring_host_syncs"), "Ring host synchronizations (one rank, after a warm-up call)",
+                      lambda syncs: ["| mask | forward | backward |", "|---|---|---|"] + [
+                          f"| {mask} | {shown(n['forward'])} | {shown(n['backward'])} |" for mask, n in syncs.items()])
+    lines += _section(summary.get("train_step"), "Training step (one device)",
+                      lambda step: ["| " + " | ".join(step) + " |", "|" + "---|" * len(step),
+                                    "| " + " | ".join(_fmt(v) for v in step.values()) + " |"])
     return "\n".join(lines) + "\n"
+
+
+def _section(entry: dict | None, title: str, table) -> list[str]:
+    """A Markdown section for ``entry`` (absent: none; an ``error``: that; else ``table(entry)``'s lines)."""
+    if not entry:
+        return []
+    return ["", f"## {title}", ""] + ([f"failed: {entry['error']}"] if "error" in entry else table(entry))
 
 
 def _fmt(value) -> str:
