@@ -356,3 +356,15 @@ def test_a_resumed_run_runs_the_same_cases_and_logs_each(tmp_path):
     entry = json.loads(lines[0])
     assert entry["n"] == 2 and entry["case"] == repr(expected[2]) and entry["kind"] in ("one_device", "refused")
     assert (tmp_path / "summary-5-from-2.json").exists()
+
+
+def test_the_fuzzer_refuses_to_run_mixed_checkouts(monkeypatch, capsys):
+    # an editable install maps burstc.kernels and burstc.passes to its own clone, whatever PYTHONPATH says: a run
+    # from another clone once fuzzed one clone's ops with another's kernels
+    sources = fuzz.package_sources()
+    assert set(sources) == {"burstc", "burstc.kernels", "burstc.passes"} and len(set(sources.values())) == 1, sources
+    monkeypatch.setattr(fuzz, "package_sources",
+                        lambda: {**sources, "burstc.kernels": "/elsewhere"})
+    with pytest.raises(SystemExit) as exited:
+        fuzz.main(["--cases", "1", "--out", "unused"])
+    assert exited.value.code == 2 and "different checkouts" in capsys.readouterr().err

@@ -43,6 +43,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -642,6 +643,20 @@ def reproduce(case: Case, timeout: float = 300.0) -> int:
 # ---- the long run --------------------------------------------------------------------------------------------
 
 
+def package_sources() -> dict[str, str]:
+    """Where ``burstc``, ``burstc.kernels`` and ``burstc.passes`` were imported from: the checkout holding their
+    ``pyproject.toml``, or (an installed wheel) the ``burstc`` folder.  An editable install maps the last two to
+    its own clone, which ``PYTHONPATH`` does not override: a run from another clone can mix two versions."""
+    import importlib
+
+    sources = {}
+    for name in ("burstc", "burstc.kernels", "burstc.passes"):
+        path = Path(importlib.import_module(name).__file__).resolve().parent
+        checkout = next((p for p in (path, *path.parents) if (p / "pyproject.toml").exists()), None)
+        sources[name] = str(checkout or (path if name == "burstc" else path.parent))
+    return sources
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="burstc model fuzzer: random models, inputs and options vs eager")
     parser.add_argument("--cases", type=int, default=100)
@@ -663,6 +678,11 @@ def main(argv=None) -> int:
                              "'auto' and 'documents' for the per-call documents layout)")
     args = parser.parse_args(argv)
     _draw_layouts(args.layouts)
+    sources = package_sources()
+    if len(set(sources.values())) > 1:
+        parser.error(f"burstc's packages come from different checkouts: {sources}; install the one to fuzz "
+                     f"(pip install -e <checkout>)")
+    print(f"burstc from {sources['burstc']}", flush=True)
     if any(p < 1 for p in args.ranks) or args.cases < 1 or not 0 <= args.start < args.cases:
         parser.error("--ranks must be >= 1, --cases >= 1 and 0 <= --start < --cases")
     from burstc.testing.workers import WorkerPool
