@@ -41,22 +41,35 @@ from typing import NamedTuple
 from burstc.attention_ir import Alibi, MaskSpec, SoftCap, document_ids_for_batch, fully_hidden_rows
 from burstc.errors import wait_for_peer
 from burstc.layout import local_positions
+from burstc.ops import host_reads
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring
 
 
 class HiddenRows(NamedTuple):
-    """This rank's view of a call's hidden rows."""
+    """This rank's view of a call's hidden rows, on the op's device.  Decided on the host from the host copy of the
+    mask data (:mod:`burstc.ops.host_reads`), with every index the functions below select by (a boolean mask or
+    ``nonzero`` on a GPU tensor would wait for the GPU)."""
 
     hidden_BL: Tensor     # bool: this rank's query rows that see no key, in local order
     real_L: Tensor        # bool: this rank's rows that are real keys (global position < keys: not a layout pad)
     hidden_BS: Tensor     # bool ``[B, keys]``: every rank's hidden rows, by global position
     positions_L: Tensor   # int64: the global position of each local row
+    real_index_R: Tensor  # int64: the local indices of the real rows
+    slots: int            # the most hidden rows of one batch row (the soft-cap path's slots)
+    own_B: Tensor         # int64, one per hidden row of this rank: its batch row,
+    own_L: Tensor         # its local row,
+    own_slot: Tensor      # and its slot (its rank among its batch row's hidden rows)
+    all_B: Tensor         # int64, one per hidden row of any rank: its batch row,
+    all_S: Tensor         # its global position,
+    all_slot: Tensor      # and its slot
 
 
 def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None, keys: int, layout: str,
-                      rank: int, size: int, local_len: int) -> HiddenRows | None:
-    """This rank's :class:`HiddenRows` of the call; None when no row of the call (on any rank) is hidden."""
+                      rank: int, size: int, local_len: int, device=None) -> HiddenRows | None:
+    """This rank's :class:`HiddenRows` of the call on ``device`` (default: the data's), decided from ``doc_ids`` /
+    ``key_valid`` (pass their host copies: they are read here); None when no row of the call (on any rank) is
+    hidden."""
     docs = None if doc_ids is None else document_ids_for_batch(doc_ids, doc_ids.shape[0])
     hidden_BS = fully_hidden_rows(mask, doc_ids_BS=docs, key_valid_BS=key_valid)
     if hidden_BS is None:
@@ -68,7 +81,14 @@ def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor 
     real_L = positions < keys
     hidden_BL = torch.zeros(hidden_BS.shape[0], local_len, dtype=torch.bool, device=hidden_BS.device)
     hidden_BL[:, real_L] = hidden_BS[:, positions[real_L]]
-    return HiddenRows(hidden_BL, real_L, hidden_BS, positions)
+    slot_BS = hidden_BS.to(torch.int64).cumsum(1) - 1
+    own_B, own_L = hidden_BL.nonzero(as_tuple=True)
+    all_B, all_S = hidden_BS.nonzero(as_tuple=True)
+    move = (lambda t: t) if device is None else (lambda t: host_reads.to_device(t, device))  # noqa: E731
+    return HiddenRows(*map(move, (hidden_BL, real_L, hidden_BS, positions, real_L.nonzero().squeeze(1))),
+                      int(hidden_BS.sum(1).max()),
+                      *map(move, (own_B, own_L, slot_BS[own_B, positions[own_L]], all_B, all_S,
+                                  slot_BS[all_B, all_S])))
 
 
 def _group_sum(x_BH: Tensor, kv_heads: int) -> Tensor:
@@ -96,8 +116,8 @@ def all_reduce_sequence(tensor: Tensor, ring, what: str) -> Tensor:
 
 def add_uniform_rows_(out_BHLD: Tensor, v_BKLD: Tensor, rows: HiddenRows, keys: int, ring) -> None:
     """Forward: give the hidden rows of ``out`` (the ring op's zeros) the mean of V over all ``keys`` keys."""
-    hidden_BL, real_L = rows.hidden_BL, rows.real_L
-    vsum_BKD = v_BKLD[:, :, real_L].to(ACC_DTYPE).sum(2)
+    hidden_BL = rows.hidden_BL
+    vsum_BKD = v_BKLD.index_select(2, rows.real_index_R).to(ACC_DTYPE).sum(2)
     all_reduce_sequence(vsum_BKD, ring, "uniform hidden rows (forward)")
     vbar_BHD = _per_query_head(vsum_BKD / keys, out_BHLD.shape[1]).to(out_BHLD.dtype)
     where_BHLD = hidden_BL[:, None, :, None].expand_as(out_BHLD)
@@ -162,12 +182,7 @@ def _soft_capped_score_grads(do_BHLD: Tensor, q_BHLD: Tensor, k32_BKLD: Tensor, 
     batch, heads_q, local_len, head_dim = q_BHLD.shape
     kv_heads = k32_BKLD.shape[1]
     # every hidden row of batch row b gets slot (its rank among b's hidden rows): [B, N] slots on every rank
-    hidden_BS = rows.hidden_BS
-    slot_BS = hidden_BS.to(torch.int64).cumsum(1) - 1
-    slots = int(hidden_BS.sum(1).max())
-    local_BL = rows.hidden_BL
-    b_idx, l_idx = local_BL.nonzero(as_tuple=True)
-    slot_idx = slot_BS[b_idx, rows.positions_L[l_idx]]
+    slots, b_idx, l_idx, slot_idx = rows.slots, rows.own_B, rows.own_L, rows.own_slot
     # gather (q, dO) of every hidden row by summing each rank's own rows into zeroed slots
     rows_BHND = q_BHLD.new_zeros((batch, heads_q, slots, 2 * head_dim), dtype=ACC_DTYPE)
     rows_BHND[b_idx, :, slot_idx] = torch.cat([q_BHLD.to(ACC_DTYPE), do_BHLD], dim=-1)[b_idx, :, l_idx]
@@ -175,8 +190,7 @@ def _soft_capped_score_grads(do_BHLD: Tensor, q_BHLD: Tensor, k32_BKLD: Tensor, 
     qh_BHND, doh_BHND = rows_BHND.split(head_dim, dim=-1)
     # slot positions (for ALiBi): the global position of each slot's row, 0 for unused slots (their dO is 0)
     pos_BN = torch.zeros(batch, slots, dtype=torch.int64, device=q_BHLD.device)
-    hb, hp = hidden_BS.nonzero(as_tuple=True)
-    pos_BN[hb, slot_BS[hb, hp]] = hp.to(device=pos_BN.device)
+    pos_BN[rows.all_B, rows.all_slot] = rows.all_S
     groups = heads_q // kv_heads
     k_BHLD, v_BHLD = k32_BKLD.repeat_interleave(groups, 1), v32_BKLD.repeat_interleave(groups, 1)
     delta_BHN = torch.einsum("bhnd,bhd->bhn", doh_BHND, _per_query_head(vbar_BKD, heads_q))

@@ -152,19 +152,21 @@ def _ring_attention_forward_op(q: Tensor, k: Tensor, v: Tensor, group_names: lis
                                       "hidden rows left at 0")
         data = dataclasses.replace(data, query_rows=query_rows)
     out, lse = ring_forward(q, k, v, ring, layout, spec, scale, data)
-    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
+    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2], q.device)
     if rows is not None:
         add_uniform_rows_(out, v, rows, uniform_rows_keys, ring)
     return out, lse
 
 
-def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, local_len: int):
+def _uniform_rows(spec: MaskSpec, data: MaskData, keys: int, layout: str, ring, local_len: int, device):
     """This rank's rows of eager's uniform hidden rows (``uniform_rows_keys``) for this call, or None."""
     if keys <= 0:
         return None
     if not 0 < keys <= local_len * ring.size:
         raise ValueError(f"uniform_rows_keys must be in (0, {local_len * ring.size}], got {keys}")
-    return local_hidden_rows(spec, data.doc_ids_BS, data.key_valid_BS, keys, layout, ring.rank, ring.size, local_len)
+    host = data.host  # decided on the host copy of the mask data (burstc.ops.host_reads)
+    return local_hidden_rows(spec, host.doc_ids_BS, host.key_valid_BS, keys, layout, ring.rank, ring.size, local_len,
+                             device=device)
 
 
 @_ring_attention_forward_op.register_fake
@@ -188,7 +190,7 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
     grads = ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse,
                           ring, layout, spec, scale, data)
-    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2])
+    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2], q.device)
     if rows is None:
         return grads
     shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring, uniform_rows_score_grad,
