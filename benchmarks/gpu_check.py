@@ -315,9 +315,9 @@ def ring_host_syncs(dev: Device, tiny: bool) -> dict:
     from burstc.ops import ring_attention as ra
 
     own_group = not dist.is_initialized()
+    rendezvous_dir = tempfile.TemporaryDirectory() if own_group else None  # removed with its file at the end
     if own_group:
-        with tempfile.NamedTemporaryFile(delete=False) as rendezvous:
-            dist.init_process_group("gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous_dir.name}/rendezvous", rank=0, world_size=1)
     batch, heads, seq, head_dim = (2, 2, 64, 16) if tiny else (2, 8, 4096, 64)
     generator = torch.Generator().manual_seed(0)
     doc_ids = (torch.rand(batch, seq, generator=generator) < 8 / seq).long().cumsum(1).to(dev.device)
@@ -355,6 +355,7 @@ def ring_host_syncs(dev: Device, tiny: bool) -> dict:
     finally:
         if own_group:
             dist.destroy_process_group()
+            rendezvous_dir.cleanup()
     return found
 
 

@@ -219,9 +219,12 @@ def _table(config: Config, results: dict, rates) -> str:
 MODEL_RINGS = ("double", "ulysses", "flat")
 
 
-def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: tuple[str, ...]):
+def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: tuple[str, ...],
+                without: tuple[str, ...] = (), reduce_grads: bool = True, overlap_memory_bytes: int | None = None):
     """Training steps (forward, backward, AdamW) of a torchtitan-style Llama compiled with each ``ring``: the
-    best step time of ``config.iters`` after a compiling one, the loss, and the ring each attention ran."""
+    best step time of ``config.iters`` after a compiling one, the loss, and the ring each attention ran.  Each
+    ring again with the passes ``without`` disabled (an A/B of those passes in the same run), rows
+    ``"<ring> without <passes>"``; the variants alternate step by step, so load drifts hit both alike."""
     import burstc
     from burstc.ops.ring_attention import record_stats
     from burstc.testing.zoo.titan import TitanLlama, TitanLlamaArgs, WithLoss
@@ -230,31 +233,45 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
     vocab = 4096
     ids = torch.randint(0, vocab, (1, config.seq_len + 1), generator=torch.Generator().manual_seed(1))
     for ring in rings:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = WithLoss(TitanLlama(TitanLlamaArgs(dim=dim, n_layers=layers, n_heads=config.heads_q,
-                                                   n_kv_heads=config.heads_kv, vocab_size=vocab,
-                                                   max_seq_len=config.seq_len + 1))).to(DTYPES[config.dtype])
-        cmodel = burstc.compile(model, _mesh(config), backend="aot_eager", ring=ring)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        times, loss = [], None
+        variants = {ring: ()}
+        if without:
+            variants[f"{ring} without {'+'.join(without)}"] = tuple(without)
+        runs = {}
+        for label, disabled in variants.items():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = WithLoss(TitanLlama(TitanLlamaArgs(dim=dim, n_layers=layers, n_heads=config.heads_q,
+                                                       n_kv_heads=config.heads_kv, vocab_size=vocab,
+                                                       max_seq_len=config.seq_len + 1))).to(DTYPES[config.dtype])
+            cmodel = burstc.compile(model, _mesh(config), backend="aot_eager", ring=ring, disable_passes=disabled,
+                                    reduce_grads=reduce_grads, overlap_memory_bytes=overlap_memory_bytes)
+            runs[label] = {"model": cmodel, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4),
+                           "times": []}
         for step in range(config.iters + 1):
-            dist.barrier()
-            with record_stats() as stats:
-                started = time.perf_counter()
-                loss = cmodel(ids[:, :-1], ids[:, 1:])
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+            # the variants take turns going first: the first of a pair ran ~5% slower in an A/A run (same options)
+            for label, run in (reversed if step % 2 else iter)(list(runs.items())):
                 dist.barrier()
-            if step:  # the first step compiles
-                times.append(time.perf_counter() - started)
-        report = burstc.report(cmodel)
-        # the last step's ring calls: bytes this rank sent per link class, and each call's time and compute
-        rows[ring] = {"wall_s": min(times), "last_s": times[-1], "loss": float(loss.detach()),
-                      "sent": stats.bytes_sent_by_link,
-                      "calls": [(c.op, c.wall_s, c.compute_s, dict(c.bytes_sent_by_link)) for c in stats.calls],
-                      "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
+                with record_stats() as stats:
+                    started = time.perf_counter()
+                    loss = run["model"](ids[:, :-1], ids[:, 1:])
+                    loss.backward()
+                    run["optimizer"].step()
+                    run["optimizer"].zero_grad(set_to_none=True)
+                    dist.barrier()
+                if step:  # the first step compiles
+                    run["times"].append(time.perf_counter() - started)
+                run["loss"], run["stats"] = float(loss.detach()), stats
+        for label, run in runs.items():
+            report, stats, times = burstc.report(run["model"]), run["stats"], run["times"]
+            # the last step's ring calls: bytes this rank sent per link class, and each call's time and compute
+            rows[label] = {"wall_s": min(times), "last_s": times[-1], "loss": run["loss"],
+                           "sent": stats.bytes_sent_by_link,
+                           "calls": [(c.op, c.wall_s, c.compute_s, dict(c.bytes_sent_by_link)) for c in stats.calls],
+                           "exposed_s": sum(sum(c.exposed_s_per_step) for c in stats.calls),
+                           # the backward's hops after its P compute steps (two on a double ring)
+                           "hop_exposed_s": sum(sum(c.exposed_s_per_step[c.world_size:]) for c in stats.calls
+                                                if c.op == "backward"),
+                           "rings": sorted({r.details.get("ring") for r in report.rewrites_of("attention")})}
     return rows
 
 
@@ -285,9 +302,12 @@ def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, ra
             + (f"intra {rates[0]} MB/s, inter {rates[1]} MB/s" if rates else "not limited")
             + f" | load average {os.getloadavg()[0]:.1f}")
     lines = [head, "| ring= | ran | step s (best, slowest rank) | loss | vs double | MiB sent/rank (busiest) by link "
-                   "| comm-only bound s |", "|---|---|---|---|---|---|---|"]
+                   "| comm-only bound s | ring waits exposed s (backward last hops), most of a rank |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = {ring: {"wall_s": max(r[ring]["wall_s"] for r in per_rank), "loss": per_rank[0][ring]["loss"],
                    "rings": per_rank[0][ring]["rings"],
+                   "exposed": max(r[ring].get("exposed_s", 0.0) for r in per_rank),
+                   "hop_exposed": max(r[ring].get("hop_exposed_s", 0.0) for r in per_rank),
                    "sent": {link: max(r[ring]["sent"].get(link, 0) for r in per_rank)
                             for link in sorted({link for r in per_rank for link in r[ring]["sent"]})}}
             for ring in per_rank[0]}
@@ -298,7 +318,8 @@ def _model_table(config: Config, per_rank: list[dict], dim: int, layers: int, ra
         if rates and "ring" not in row["sent"]:  # each link class at its rate, in parallel (a flat ring's "ring"
             bound = f"{_busiest_link_s(row['sent'], rates):.2f}"  # bytes mix both classes: no bound given)
         lines.append(f"| {ring} | {', '.join(map(str, row['rings']))} | {row['wall_s']:.2f} | {row['loss']:.6f} "
-                     f"| {row['wall_s'] / base:.2f}x | {sent} | {bound} |")
+                     f"| {row['wall_s'] / base:.2f}x | {sent} | {bound} "
+                     f"| {row['exposed']:.2f} ({row['hop_exposed']:.2f}) |")
     if rates and all("inter" in r[ring]["sent"] for r in per_rank for ring in rows):
         lines.append("\nthe last step per rank: ring calls (their compute) and the rest; the dependency floor "
                      "(each ring call at max(compute, busiest link bytes / rate), plus the rest):")
@@ -331,6 +352,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="--model: decoder layers")
     parser.add_argument("--rings", nargs="+", choices=MODEL_RINGS, default=list(MODEL_RINGS),
                         help="--model: the ring= values to time")
+    parser.add_argument("--without", nargs="+", default=[], metavar="PASS",
+                        help="--model: each ring also with these passes disabled (e.g. overlap_ring_backward), "
+                             "timed in the same run")
+    parser.add_argument("--no-reduce-grads", action="store_true",
+                        help="--model: compile with reduce_grads=False (the gradients' all-reduce left to the caller, "
+                             "as under FSDP: not timed)")
+    parser.add_argument("--overlap-memory-bytes", type=int, default=None,
+                        help="--model: burstc's overlap_memory_bytes option (default: automatic)")
     args = parser.parse_args(argv)
     nodes, per_node = (int(x) for x in args.mesh.lower().split("x"))
     rates = (args.intra_mbps, args.inter_mbps) if args.intra_mbps and args.inter_mbps else None
@@ -343,7 +372,9 @@ def main(argv=None) -> int:
                     for dtype in args.dtypes:
                         config = Config(nodes, per_node, seq_len, heads_q, heads_kv, args.dim // heads_q, dtype,
                                         args.iters, ())
-                        per_rank = workers.run(_model_task, config, args.dim, args.layers, tuple(args.rings))
+                        per_rank = workers.run(_model_task, config, args.dim, args.layers, tuple(args.rings),
+                                               tuple(args.without), not args.no_reduce_grads,
+                                               args.overlap_memory_bytes)
                         print(_model_table(config, per_rank, args.dim, args.layers, rates), "\n", flush=True)
                         all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates,
                                          "results": per_rank})

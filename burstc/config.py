@@ -76,6 +76,12 @@ class BurstConfig:
     buckets of at most this many bytes (DDP's default, 25 MiB), each issued as soon as its gradients exist and
     waited for at the end of the backward; ``0`` keeps one all-reduce per gradient (still waited late)."""
 
+    overlap_memory_bytes: int | None = None
+    """On a mesh: the ``overlap_ring_backward`` pass moves weight gradients into each ring backward's last hop while
+    the bytes whose lifetime that extends past the ring call's start stay within this many (the most it raises the
+    step's peak); ``None``: per call, what the call holds through its hop anyway (its fp32 dQ, dK, dV and the hop's
+    receive buffer); ``0`` moves nothing (as ``disable_passes=["overlap_ring_backward"]``)."""
+
     check_inputs: bool = True
     """On a mesh, every call of a sharded graph checks that all ranks got the same batch (two all-reduces of
     a 2-float hash of the integer inputs): a rank fed its own batch (a ``DistributedSampler`` habit) gets a
@@ -189,6 +195,9 @@ class BurstConfig:
         bucket = self.grad_bucket_bytes
         if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
             raise ValueError(f"option 'grad_bucket_bytes' must be a non-negative int, got {bucket!r}")
+        overlap = self.overlap_memory_bytes
+        if overlap is not None and (isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0):
+            raise ValueError(f"option 'overlap_memory_bytes' must be a non-negative int or None, got {overlap!r}")
         budget = self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise ValueError(f"option 'memory_budget' must be a positive int (bytes per rank) or None, got {budget!r}")

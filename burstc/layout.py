@@ -62,9 +62,20 @@ class ChunkLayout:
         return self.chunk_len * len(self.owners)
 
     @functools.cached_property
-    def on_devices(self) -> dict:
-        """``(rank, device) -> positions`` copied to a device (:func:`_chunk_positions_on`)."""
+    def _on_devices(self) -> dict:
+        """``(rank, device) -> positions`` copied to a device (:meth:`positions_on`)."""
         return {}
+
+    def positions_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """``rank``'s positions on ``device``, copied there once per layout object (every block of the call reads
+        them; they live as long as the layout) and without waiting for the device
+        (:func:`burstc.ops.host_reads.to_device`)."""
+        from burstc.ops.host_reads import to_device
+
+        key = (rank, device)
+        if key not in self._on_devices:
+            self._on_devices[key] = to_device(self.positions_PL[rank], device)
+        return self._on_devices[key]
 
     @functools.cached_property
     def positions_PL(self) -> torch.Tensor:
@@ -115,25 +126,13 @@ def required_multiple(world_size: int, layout) -> int:
     return 2 * world_size if layout in ("zigzag", DOCUMENTS) else world_size
 
 
-def _chunk_positions_on(layout: ChunkLayout, rank: int, device: torch.device) -> torch.Tensor:
-    """A chunk layout's positions of ``rank`` on ``device``, copied there once per layout object (every block of
-    the call reads them; they live as long as the layout) and without waiting for the device
-    (:func:`burstc.ops.host_reads.to_device`)."""
-    from burstc.ops.host_reads import to_device
-
-    key = (rank, device)
-    if key not in layout.on_devices:
-        layout.on_devices[key] = to_device(layout.positions_PL[rank], device)
-    return layout.on_devices[key]
-
-
 def local_positions(seq_len: int, world_size: int, rank: int, layout, device=None) -> torch.Tensor:
     """Global positions (int64, increasing) of the tokens ``rank`` holds, in local order."""
     if isinstance(layout, ChunkLayout):
         if (seq_len, world_size) != (layout.seq_len, layout.world_size) or not 0 <= rank < world_size:
             raise ValueError(f"a chunk layout of {layout.seq_len} tokens on {layout.world_size} ranks has no rank "
                              f"{rank} of {world_size} over {seq_len} tokens")
-        return layout.positions_PL[rank] if device is None else _chunk_positions_on(layout, rank, torch.device(device))
+        return layout.positions_PL[rank] if device is None else layout.positions_on(rank, torch.device(device))
     if layout == DOCUMENTS:
         raise ValueError(f"layout {DOCUMENTS!r} is chosen per call: pass the call's ChunkLayout (resolve_layout)")
     multiple = required_multiple(world_size, layout)

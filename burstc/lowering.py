@@ -51,12 +51,13 @@ def lower(gm: fx.GraphModule, example_inputs, *, config, context, record):
         context.report.notes.append(f"graph {record.graph_id}: memory_budget not planned: the graph is not sharded "
                                     "(burstc's checkpoint modes apply to sharded graphs only)")
     elif config.memory_budget is not None:
-        from burstc.memory import resident_bytes
+        from burstc.memory import overlap_option, resident_bytes
 
         parameters, buffers = resident_bytes(record.graphs.get("captured"))
+        # overlap: how the overlap_ring_backward pass will reorder the backward (the replay follows it)
         partitioner.budget = dict(report=context.report, budget=config.memory_budget, backend=config.backend,
                                   world_size=context.world_size, parameters=parameters, buffers=buffers,
-                                  graph_id=record.graph_id)
+                                  graph_id=record.graph_id, overlap=overlap_option(config))
     if config.checkpoint_keep < 1 and context.facts.sharding is None:
         context.report.notes.append(f"graph {record.graph_id}: checkpoint_keep not applied: the graph is not sharded "
                                     "(on one device the attention's whole output is kept)")

@@ -304,19 +304,22 @@ def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list
 
 
 def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[str, list] | None = None,
-           inputs_freed: bool = False, op_buffers=None, schedule: dict[str, int] | None = None
-           ) -> tuple[GraphReplay, dict[str, list]]:
+           inputs_freed: bool = False, op_buffers=None, schedule: dict[str, int] | None = None,
+           order: list[fx.Node] | None = None) -> tuple[GraphReplay, dict[str, list]]:
     """Replay ``gm``: -> (its :class:`GraphReplay`, {output node name: storage keys}).
 
     ``inputs`` maps a placeholder's name to the storage keys it holds (the forward's saved values, for the
     backward); other placeholders are the caller's (not counted).  ``inputs_freed``: a counted input is freed
     after its last use (Inductor) instead of at the graph's end (aot_eager).  ``op_buffers(node) -> bytes``:
     what an opaque op allocates inside, live only while it runs.  ``schedule``: the order Inductor ran the nodes in
-    (:func:`scheduled_order`), else the graph's."""
+    (:func:`scheduled_order`), else ``order`` (every node of the graph, in the order to replay), else the graph's."""
     inputs = inputs or {}
     keys: dict[fx.Node, list] = {}
     step_keys = _scheduled_keys(gm, schedule) if schedule else None
-    order = _order_by(gm, step_keys) if step_keys is not None else list(gm.graph.nodes)
+    if step_keys is not None:
+        order = _order_by(gm, step_keys)
+    elif order is None:
+        order = list(gm.graph.nodes)
     kernels = schedule if isinstance(schedule, KernelSchedule) and schedule.materialized else None
 
     def fused_away(node, outs) -> bool:
@@ -647,6 +650,15 @@ def op_buffers(world_size: int):
     return buffers
 
 
+def pending_backward_buffers(q, k) -> int:
+    """Bytes a split ring backward (``overlap_ring_backward``) holds from its start to its finish, an upper bound:
+    its fp32 gradient accumulators (dq, dk, dv: the finish returns them in the inputs' dtype) and the fp32 buffers
+    its last hop receives into (at most the travelling side's gradients: dq, or dk and dv)."""
+    batch, heads_q, local_len, head_dim = q.shape
+    q_elems, kv_elems = batch * heads_q * local_len * head_dim, batch * k.shape[1] * local_len * head_dim
+    return ACC_BYTES * (q_elems + 2 * kv_elems + max(q_elems, 2 * kv_elems))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # one training step
 
@@ -744,10 +756,12 @@ def resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
 
 def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *, backend: str,
                    parameters: int = 0, buffers: int = 0, optimizer: str | None = None,
-                   schedules: list[dict] | None = None) -> MemoryEstimate:
+                   schedules: list[dict] | None = None, overlap: str | int | None = None) -> MemoryEstimate:
     """The step of ``records``: (forward graph, backward graph, ring world size) per Dynamo graph, run
     forward in order and backward in reverse order; ``schedules``: per record, ``{"forward": ..., "backward":
-    ...}`` the order Inductor ran each graph in (:func:`inductor_schedule`), where known."""
+    ...}`` the order Inductor ran each graph in (:func:`inductor_schedule`), where known.  ``overlap``: the
+    backward graphs are AOTAutograd's, before the ``overlap_ring_backward`` pass, which will run with
+    ``overlap_memory_bytes`` = this (``"auto"``: None): they are replayed in the order it will give them."""
     schedules = schedules or [{} for _ in records]
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
@@ -782,9 +796,12 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
         inputs = {node.name: forward_returned[index][node.name] for node in backward.graph.nodes
                   if node.op == "placeholder" and node.name in forward_returned[index]}
         others = {k: b for k, b in held.items() if k not in saved_keys[index]}
+        order = None
+        if overlap is not None and world_size > 1 and not schedules[index].get("backward"):
+            order = _overlap_order(backward, overlap)
         result, outputs = replay(backward, storages, f"b{index}", inputs=inputs,
                                  inputs_freed=backend == "inductor", op_buffers=op_buffers(world_size),
-                                 schedule=schedules[index].get("backward"))
+                                 schedule=schedules[index].get("backward"), order=order)
         phases.append((f"backward of graph {index}", result, others))
         for key in saved_keys[index]:
             held.pop(key, None)
@@ -821,7 +838,8 @@ def predict_step(report, optimizer: str | None = None) -> MemoryEstimate:
     graphs = [(g.graphs["forward"], g.graphs["backward"], g.sharding.world_size if g.sharding is not None else 1)
               for g in records]
     return predict_graphs(graphs, backend=report.config.backend, parameters=parameters, buffers=buffers,
-                          optimizer=optimizer, schedules=[g.schedules for g in records])
+                          optimizer=optimizer, schedules=[g.schedules for g in records],
+                          overlap=overlap_option(report.config))
 
 
 def explain_memory(*, model, report, mesh_shape, seq_len: int, batch: int, device) -> str:
@@ -913,8 +931,27 @@ def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
 KEEP_REFINE_STEPS = 3
 
 
+def overlap_option(config) -> str | int | None:
+    """:func:`predict_graphs`'s ``overlap`` for a compile with ``config``: None when the ``overlap_ring_backward``
+    pass is disabled."""
+    if "overlap_ring_backward" in config.disable_passes:
+        return None
+    return "auto" if config.overlap_memory_bytes is None else config.overlap_memory_bytes
+
+
+def _overlap_order(backward: fx.GraphModule, overlap: str | int) -> list[fx.Node]:
+    """``backward``'s nodes in the order the ``overlap_ring_backward`` pass will run them."""
+    import types
+
+    from burstc.passes.overlap_ring_backward import moved_order, overlap_cap, plan_overlap
+
+    config = types.SimpleNamespace(overlap_memory_bytes=None if overlap == "auto" else overlap)
+    return moved_order(backward.graph, plan_overlap(backward.graph, overlap_cap(config)))
+
+
 def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
-                            backend: str, world_size: int, parameters: int, buffers: int, graph_id: int):
+                            backend: str, world_size: int, parameters: int, buffers: int, graph_id: int,
+                            overlap: str | int | None = None):
     """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
     :data:`PLANNED_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
     return the first mode's (forward, backward) that fits, else the least memory's; and the
@@ -935,7 +972,7 @@ def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, part
             kept[mode] = tuple(keep_attention_rows(*partitions[mode], float(keep), partition_kwargs["num_fwd_outputs"],
                                                    world_size))
         estimate = predict_graphs([(*partitions[mode], world_size)], backend=backend, parameters=parameters,
-                                  buffers=buffers)
+                                  buffers=buffers, overlap=overlap)
         predicted[mode] = estimate.peak
         return estimate.peak <= budget
 

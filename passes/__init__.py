@@ -90,6 +90,9 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("outline_checkpoints", "dynamo", True,
              "inlined checkpoint regions restored around the rewritten nodes",
              consumes=("checkpoint_regions",), one_device_when=_checkpointing),
+    PassSpec("overlap_ring_backward", "aot_backward", True,
+             "each ring backward split at its last hop (start / finish nodes), the weight gradients computed before "
+             "it moved into the hop"),
     PassSpec("schedule", "aot_backward", True,
              "parameter-gradient all-reduces bucketed (grad_bucket_bytes), issued as soon as a bucket's gradients "
              "exist, waited at the end of the backward"),

@@ -120,13 +120,17 @@ def _groups_task(rank, world_size, cases):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("inter", "intra"))
     seen = []
-    original = ring_loops.run_pipelined
+    original, original_start = ring_loops.run_pipelined, ring_loops.start_pipelined
 
-    def counting(loops, *args):
+    def counting(loops, *args):  # the forward runs its loops whole, the backward starts them (its finish waits)
         seen.append(len(loops))
         return original(loops, *args)
 
-    ring_loops.run_pipelined = counting
+    def counting_start(loops, *args):
+        seen.append(len(loops))
+        return original_start(loops, *args)
+
+    ring_loops.run_pipelined, ring_loops.start_pipelined = counting, counting_start
     results = []
     try:
         for index, (ring, layout, name, plan) in enumerate(cases):
@@ -158,7 +162,7 @@ def _groups_task(rank, world_size, cases):
                                      _batch_groups(data, BATCH))
             results.append(per_count)
     finally:
-        ring_loops.run_pipelined = original
+        ring_loops.run_pipelined, ring_loops.start_pipelined = original, original_start
     return results
 
 

@@ -155,12 +155,13 @@ def batch_row_groups(data, batch: int) -> list[BatchGroup]:
     groups = []
     for rows in members:
         selected = rows_of(rows, key_valid_BS.device)
-        group_host = None  # on the CPU the group's data are their own host copy
-        if host is not data:
-            host_rows = rows_of(rows, host.key_valid_BS.device)
-            group_host = dataclasses.replace(host, doc_ids_BS=take_rows(host.doc_ids_BS, host_rows),
-                                             key_valid_BS=take_rows(host.key_valid_BS, host_rows))
-        groups.append(BatchGroup(selected, dataclasses.replace(
-            data, doc_ids_BS=take_rows(data.doc_ids_BS, selected), key_valid_BS=take_rows(key_valid_BS, selected),
-            host_data=group_host)))
+        # on the CPU the group's data are their own host copy
+        group_host = None if host is data else _data_rows(host, rows_of(rows, host.key_valid_BS.device))
+        groups.append(BatchGroup(selected, _data_rows(data, selected, host_data=group_host)))
     return groups
+
+
+def _data_rows(data, rows, **changes):
+    """``data`` (a :class:`burstc.ops.ring_loops.MaskData`) with its batch rows ``rows`` only."""
+    return dataclasses.replace(data, doc_ids_BS=take_rows(data.doc_ids_BS, rows),
+                               key_valid_BS=take_rows(data.key_valid_BS, rows), **changes)

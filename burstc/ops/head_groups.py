@@ -22,7 +22,7 @@ every call of the process, for benchmarks and tests.
 """
 from __future__ import annotations
 
-from typing import Generator, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 from torch import Tensor
@@ -92,6 +92,13 @@ def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, 
     batch rows ``batch_rows[g]`` of ``outputs[i]``), so a loop's result is freed at once; a single loop's
     results are returned as they are (``outputs`` None).  ``batch_rows``: each loop's batch rows of the outputs
     (a slice or an index, :mod:`burstc.ops.batch_groups`), None for all."""
+    return start_pipelined(loops, outputs, slices, batch_rows)()
+
+
+def start_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, slices: Sequence[Sequence[slice]],
+                    batch_rows: Sequence | None = None) -> Callable[[], tuple[Tensor, ...]]:
+    """:func:`run_pipelined` up to the last loop's third part (waiting for its last hop), which the returned
+    function runs and then returns the results: what the caller runs in between overlaps the last hop."""
     parts_run, finished = [0] * len(loops), [False] * len(loops)
     single: list[tuple] = []
 
@@ -118,7 +125,11 @@ def run_pipelined(loops: Sequence[GroupLoop], outputs: Sequence[Tensor] | None, 
         advance(group)
         if group > 0:
             advance(group - 1)  # its last hop travelled during this group's body
-    advance(len(loops) - 1)
-    if not all(finished):
-        raise AssertionError(f"a head group's ring loop did not end after its three parts: ended {finished}")
-    return tuple(single[0]) if outputs is None else tuple(outputs)
+
+    def finish() -> tuple[Tensor, ...]:
+        advance(len(loops) - 1)
+        if not all(finished):
+            raise AssertionError(f"a head group's ring loop did not end after its three parts: ended {finished}")
+        return tuple(single[0]) if outputs is None else tuple(outputs)
+
+    return finish

@@ -66,10 +66,9 @@ class HiddenRows(NamedTuple):
 
 
 def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor | None, keys: int, layout: str,
-                      rank: int, size: int, local_len: int, device=None) -> HiddenRows | None:
-    """This rank's :class:`HiddenRows` of the call on ``device`` (default: the data's), decided from ``doc_ids`` /
-    ``key_valid`` (pass their host copies: they are read here); None when no row of the call (on any rank) is
-    hidden."""
+                      rank: int, size: int, local_len: int, device) -> HiddenRows | None:
+    """This rank's :class:`HiddenRows` of the call, on ``device``, decided from ``doc_ids`` / ``key_valid`` (pass
+    their host copies: they are read here); None when no row of the call (on any rank) is hidden."""
     docs = None if doc_ids is None else document_ids_for_batch(doc_ids, doc_ids.shape[0])
     hidden_BS = fully_hidden_rows(mask, doc_ids_BS=docs, key_valid_BS=key_valid)
     if hidden_BS is None:
@@ -84,7 +83,9 @@ def local_hidden_rows(mask: MaskSpec, doc_ids: Tensor | None, key_valid: Tensor 
     slot_BS = hidden_BS.to(torch.int64).cumsum(1) - 1
     own_B, own_L = hidden_BL.nonzero(as_tuple=True)
     all_B, all_S = hidden_BS.nonzero(as_tuple=True)
-    move = (lambda t: t) if device is None else (lambda t: host_reads.to_device(t, device))  # noqa: E731
+    def move(t: Tensor) -> Tensor:
+        return host_reads.to_device(t, device)
+
     return HiddenRows(*map(move, (hidden_BL, real_L, hidden_BS, positions, real_L.nonzero().squeeze(1))),
                       int(hidden_BS.sum(1).max()),
                       *map(move, (own_B, own_L, slot_BS[own_B, positions[own_L]], all_B, all_S,

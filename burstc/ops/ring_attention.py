@@ -27,7 +27,7 @@ masked row (its safe softmax), and HF's convention for padded rows.  The pieces:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from burstc.ops import host_reads
 from burstc.ops.hidden_rows import add_uniform_rows_, local_hidden_rows, uniform_rows_grads
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, resolve_group
-from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_backward, ring_forward
+from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_forward, start_ring_backward
 from burstc.ops.ring_stats import RingCallStats, RingStats, record_stats  # noqa: F401  (public API)
 
 PLANS = tuple(BACKWARD_PLANS)  # ("kv_ring", "burst")
@@ -185,22 +185,85 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
                                 uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
                                 ) -> tuple[Tensor, Tensor, Tensor]:
+    return _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
+                           key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners)()
+
+
+def _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
+                    key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners
+                    ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
+    """The backward up to its last hop (posted, not waited for); the returned function finishes it."""
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     layout = resolve_layout(layout, chunk_owners, q.shape[2] * ring.size)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
-    grads = ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse, grad_lse,
-                          ring, layout, spec, scale, data)
-    rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2], q.device)
-    if rows is None:
-        return grads
-    shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring, uniform_rows_score_grad,
-                                spec)
-    return tuple(g if share is None else (g.to(ACC_DTYPE) + share).to(g.dtype) for g, share in zip(grads, shares))
+    finish_ring = start_ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse,
+                                      grad_lse, ring, layout, spec, scale, data)
+
+    def finish() -> tuple[Tensor, Tensor, Tensor]:
+        grads = finish_ring()
+        rows = _uniform_rows(spec, data, uniform_rows_keys, layout, ring, q.shape[2], q.device)
+        if rows is None:
+            return grads
+        shares = uniform_rows_grads(grad_out, q, k, v, rows, uniform_rows_keys, scale, ring,
+                                    uniform_rows_score_grad, spec)
+        return tuple(g if share is None else (g.to(ACC_DTYPE) + share).to(g.dtype) for g, share in zip(grads, shares))
+
+    return finish
 
 
 @_ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None,
       uniform_rows_keys=0, uniform_rows_score_grad=True, chunk_owners=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The backward split in two (the ``overlap_ring_backward`` pass, ``burstc/passes/overlap_ring_backward.py``):
+# ``..._start`` runs the backward up to its last hop (the last visitor's gradients going home), posts that hop
+# and returns a token (a CPU int64 scalar: reading it never waits on a device); ``..._finish`` waits for the hop
+# and returns ``(dq, dk, dv)`` (``q, k, v`` give only their shapes and dtypes).  What a graph runs between the two
+# overlaps the hop.  The pending calls wait in ``_PENDING_BACKWARDS`` under their token; a token is finished
+# exactly once, by the same rank, in the graph order every rank shares.
+_PENDING_BACKWARDS: dict[int, Callable[[], tuple[Tensor, Tensor, Tensor]]] = {}
+_NEXT_TOKEN = [0]
+_START_SCHEMA = _BACKWARD_SCHEMA.replace("-> (Tensor, Tensor, Tensor)", "-> Tensor")
+
+
+@torch.library.custom_op("burstc::ring_attention_backward_start", mutates_args=(), schema=_START_SCHEMA)
+@without_autocast
+def _ring_attention_backward_start_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                      grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
+                                      scale: float, plan: str, doc_ids: Tensor | None = None,
+                                      key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
+                                      uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
+                                      ) -> Tensor:
+    finish = _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
+                             key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners)
+    _NEXT_TOKEN[0] += 1
+    _PENDING_BACKWARDS[_NEXT_TOKEN[0]] = finish
+    return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)
+
+
+@_ring_attention_backward_start_op.register_fake
+def _(grad_out, q, *args, **kwargs):
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("burstc::ring_attention_backward_finish", mutates_args=(),
+                         schema="(Tensor token, Tensor q, Tensor k, Tensor v, Tensor[] after) -> "
+                                "(Tensor, Tensor, Tensor)")
+def _ring_attention_backward_finish_op(token: Tensor, q: Tensor, k: Tensor, v: Tensor, after: Sequence[Tensor]
+                                       ) -> tuple[Tensor, Tensor, Tensor]:
+    # ``after``: values the graph computes while the hop travels, read by nothing here: they order the finish after
+    # that work for a compiler that reorders (Inductor)
+    finish = _PENDING_BACKWARDS.pop(int(token), None)
+    if finish is None:
+        raise RuntimeError(f"burstc ring attention: backward token {int(token)} was never started or is already "
+                           "finished (a split backward's finish must run once, after its start)")
+    return finish()
+
+
+@_ring_attention_backward_finish_op.register_fake
+def _(token, q, k, v, after):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -56,7 +56,7 @@ from burstc.block_geometry import (ANTI_CAUSAL, POSITIONS, Block, Runs, blocks, 
 from burstc.layout import local_positions
 import burstc.ops.document_layout  # noqa: F401  (registers burstc::document_chunks)
 from burstc.ops.batch_groups import BatchGroup, batch_row_groups, take_rows
-from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined
+from burstc.ops.head_groups import GroupLoop, call_head_slices, run_pipelined, start_pipelined
 from burstc.ops import host_reads
 from burstc.ops.lse_merge import ACC_DTYPE, attention_delta, merge_attention_block_, merge_attention_block_or_empty_
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, wait
@@ -455,11 +455,23 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
                   out_BHSD: Tensor, lse_BHS: Tensor, grad_lse_BHS: Tensor | None, ring: Ring, layout: str,
                   mask: MaskSpec, scale: float, data: MaskData = MaskData()) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of this rank's shards, contiguous in the inputs' dtypes, with backward ``plan``."""
+    return start_ring_backward(plan, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, grad_lse_BHS, ring,
+                               layout, mask, scale, data)()
+
+
+def start_ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
+                        out_BHSD: Tensor, lse_BHS: Tensor, grad_lse_BHS: Tensor | None, ring: Ring, layout: str,
+                        mask: MaskSpec, scale: float, data: MaskData = MaskData()
+                        ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
+    """:func:`ring_backward` up to its last hop (the last visitor's gradients going home), posted and not waited
+    for; the returned function waits for it and returns ``(dq, dk, dv)``.  The hybrid (Ulysses) ring runs whole
+    here (its last exchange is an all-to-all inside its own function)."""
     if isinstance(ring, UlyssesRing):
         from burstc.ops.ulysses import ulysses_ring_backward
 
-        return ulysses_ring_backward(plan, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, grad_lse_BHS,
-                                     ring, layout, mask, scale, data)
+        grads = ulysses_ring_backward(plan, grad_out_BHSD, q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS, grad_lse_BHS,
+                                      ring, layout, mask, scale, data)
+        return lambda: grads
     grad_out_BHSD = grad_out_BHSD.to(q_BHSD.dtype).contiguous()
     lse_BHS = lse_BHS.to(ACC_DTYPE).contiguous()
     # An lse gradient g adds P * g to d(scores): the same as using delta - g (only delta changes).
@@ -494,9 +506,16 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
     outputs = None
     if len(loops) > 1:
         outputs = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q_BHSD, k_BHSD, v_BHSD))
-    grads = run_pipelined(loops, outputs, places, batch_rows)
-    recorder.publish()
-    return tuple(g.contiguous() for g in grads)
+    finish_loops = start_pipelined(loops, outputs, places, batch_rows)
+    back = recorder.leave()
+
+    def finish() -> tuple[Tensor, Tensor, Tensor]:
+        back()
+        grads = finish_loops()
+        recorder.publish()
+        return tuple(g.contiguous() for g in grads)
+
+    return finish
 
 
 def _rows(grad: int, block: Block) -> slice:

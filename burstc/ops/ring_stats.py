@@ -64,7 +64,10 @@ class RingCallStats:
     """Score entries the kernels evaluated at each compute step (B * Hq * each block's rectangle, a top-left causal
     block's triangle): ``work_per_step`` plus the hidden entries inside computed blocks."""
     wall_s: float = 0.0
-    """Seconds from the call's start (its recorder's creation) to its end (publication)."""
+    """Seconds from the call's start (its recorder's creation) to its end (publication), less ``away_s``."""
+    away_s: float = 0.0
+    """Seconds the call left to the graph's other work: a split backward's time between its start and its finish
+    (``overlap_ring_backward`` pass), during which its last hop travels; that time counts as hiding the hop."""
     compute_s: float = 0.0
     """Seconds of those spent in the compute steps (the block kernels and their merges)."""
     batch_groups: int = 1
@@ -218,6 +221,7 @@ class CallRecorder:
             return
         self.tag = "fwd" if op == "forward" else "bwd"
         self.computing: list[tuple[float, float]] = []  # (start, stop) of each compute step so far
+        self.away: list[tuple[float, float]] = []  # (left, back) of each time the call left the thread (leave())
         if not self.enabled:
             return
         self.started = time.perf_counter()
@@ -270,12 +274,26 @@ class CallRecorder:
         if self.enabled:
             self.stats.batch_groups, self.stats.head_groups = batch_groups, head_groups
 
+    def leave(self) -> Callable[[], None]:
+        """The call hands the thread to the graph's other work until the returned function is called (a split
+        backward between its start and finish): that time is not the call's, and it hides the call's transfers
+        in flight as its own compute would."""
+        if not (self.enabled or self.spans):
+            return _back_at_once
+        left = time.perf_counter()
+        return lambda: self.away.append((left, time.perf_counter()))
+
     def publish(self) -> None:
         if self.enabled:
-            self.stats.wall_s = time.perf_counter() - self.started
+            self.stats.away_s = sum(back - left for left, back in self.away)
+            self.stats.wall_s = time.perf_counter() - self.started - self.stats.away_s
             self.stats.compute_s = sum(stop - start for start, stop in self.computing)
             for recorder in _active_recorders:
                 recorder.calls.append(self.stats)
+
+
+def _back_at_once() -> None:
+    return None
 
 
 class _ComputeStep:
@@ -355,5 +373,5 @@ class _Transfers:
         if recorder.enabled:
             stats = recorder.stats
             stats.transfer_s_per_step[self.step] += end - self.posted
-            stats.hidden_s_per_step[self.step] += _overlap_s(self.posted, end, recorder.computing)
+            stats.hidden_s_per_step[self.step] += _overlap_s(self.posted, end, recorder.computing + recorder.away)
             stats.exposed_s_per_step[self.step] += self.post_s + end - self.wait_start
