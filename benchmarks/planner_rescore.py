@@ -7,6 +7,7 @@ value (seconds per step and link class; ``benchmarks/message_cost.py`` measures 
 best (agrees within 5%), so the effect of a per-message cost on the choice is known without re-running the sweep.
 
     python benchmarks/planner_rescore.py 0 0.0003 0.0024 0.01 0.05
+    python benchmarks/planner_rescore.py --table      # the README's table: per rate, picks and step ratios
 """
 from __future__ import annotations
 
@@ -48,10 +49,36 @@ def rescore(latency_s: float) -> tuple[int, int, list]:
     return agree, total, misses
 
 
+def _spread(ratios: list[float]) -> str:
+    ratios = sorted(ratios)
+    return f"{ratios[len(ratios) // 2]:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def table() -> str:
+    """Per recorded rate: the planner's picks within 5% of the measured best (as recorded), and the flat ring's
+    and the hybrid's best step over the double ring's (median over the configurations, min-max)."""
+    lines = ["| inter-node MB/s | planner's pick within 5% of the best | flat / double step: median (min-max) | "
+             "hybrid / double step: median (min-max) |", "|---|---|---|---|"]
+    recorded = [(json.loads(path.read_text())) for path in SWEEP.glob("sweep_inter*.json")]
+    for entries in sorted(recorded, key=lambda e: e[0]["rates_mbps"][1]):
+        step = lambda entry, impl: entry["results"][impl]["wall_s"]  # noqa: E731
+        flat = [step(e, "burstc_flat") / step(e, "burstc_double") for e in entries]
+        hybrid = [step(e, "burstc_ulysses") / step(e, "burstc_double") for e in entries
+                  if "burstc_ulysses" in e["results"]]
+        agree = sum(e["planner"]["agrees"] for e in entries)
+        lines.append(f"| {entries[0]['rates_mbps'][1]:g} | {agree} / {len(entries)} | {_spread(flat)} | "
+                     f"{_spread(hybrid)} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("latencies", nargs="*", type=float, default=[0.0, 0.0003, 0.0024, 0.01, 0.05])
+    parser.add_argument("--table", action="store_true", help="print the recorded sweep's table and stop")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table())
+        return
     for latency in args.latencies:
         agree, total, misses = rescore(latency)
         print(f"latency {latency * 1e3:.1f} ms per step and link: {agree}/{total} within 5% of the measured best")

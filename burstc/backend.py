@@ -199,12 +199,17 @@ class BurstBackend:
         compiled = lower(gm, example_inputs, config=self.config, context=context, record=record)
         dropped = record.dropped_outputs
         check_positions = self._token_input_positions(gm) if self._checks_inputs(record) else []
-        if not dropped and not check_positions:
+        # the ring's host copies of mask data (burstc.ops.host_reads) live for one forward and its backward
+        sharded = self.world_size > 1 and record.sharding is not None
+        from burstc.ops import host_reads
+        if not dropped and not check_positions and not sharded:
             return compiled
 
         # Dynamo calls a backend's result with the graph inputs unpacked (*args), whatever
         # ``_boxed_call`` says; so does this wrapper (no functools.wraps: it would copy that flag)
         def run(*args):
+            if sharded:
+                host_reads.new_step()
             if check_positions:
                 check_same_inputs_on_all_ranks([args[i] for i in check_positions], self.mesh, self.config.timeout)
             outputs = compiled(*args)

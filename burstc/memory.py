@@ -756,12 +756,12 @@ def resident_bytes(captured: fx.GraphModule | None) -> tuple[int, int]:
 
 def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *, backend: str,
                    parameters: int = 0, buffers: int = 0, optimizer: str | None = None,
-                   schedules: list[dict] | None = None, overlap: str | int | None = None) -> MemoryEstimate:
+                   schedules: list[dict] | None = None, overlap: BackwardOverlap | None = None) -> MemoryEstimate:
     """The step of ``records``: (forward graph, backward graph, ring world size) per Dynamo graph, run
     forward in order and backward in reverse order; ``schedules``: per record, ``{"forward": ..., "backward":
     ...}`` the order Inductor ran each graph in (:func:`inductor_schedule`), where known.  ``overlap``: the
-    backward graphs are AOTAutograd's, before the ``overlap_ring_backward`` pass, which will run with
-    ``overlap_memory_bytes`` = this (``"auto"``: None): they are replayed in the order it will give them."""
+    backward graphs are AOTAutograd's, before the ``overlap_ring_backward`` pass, which will run as this says
+    (:func:`overlap_option`): they are replayed in the order it will give them."""
     schedules = schedules or [{} for _ in records]
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
@@ -931,27 +931,32 @@ def _mode_tags(joint: fx.GraphModule, mode: str) -> fx.GraphModule:
 KEEP_REFINE_STEPS = 3
 
 
-def overlap_option(config) -> str | int | None:
+@dataclasses.dataclass(frozen=True)
+class BackwardOverlap:
+    """The ``overlap_ring_backward`` pass will rewrite the backward graphs, with ``overlap_memory_bytes`` =
+    ``memory_bytes`` (None: per call, what it holds through its hop)."""
+
+    memory_bytes: int | None = None
+
+
+def overlap_option(config) -> BackwardOverlap | None:
     """:func:`predict_graphs`'s ``overlap`` for a compile with ``config``: None when the ``overlap_ring_backward``
     pass is disabled."""
     if "overlap_ring_backward" in config.disable_passes:
         return None
-    return "auto" if config.overlap_memory_bytes is None else config.overlap_memory_bytes
+    return BackwardOverlap(config.overlap_memory_bytes)
 
 
-def _overlap_order(backward: fx.GraphModule, overlap: str | int) -> list[fx.Node]:
+def _overlap_order(backward: fx.GraphModule, overlap: BackwardOverlap) -> list[fx.Node]:
     """``backward``'s nodes in the order the ``overlap_ring_backward`` pass will run them."""
-    import types
-
     from burstc.passes.overlap_ring_backward import moved_order, overlap_cap, plan_overlap
 
-    config = types.SimpleNamespace(overlap_memory_bytes=None if overlap == "auto" else overlap)
-    return moved_order(backward.graph, plan_overlap(backward.graph, overlap_cap(config)))
+    return moved_order(backward.graph, plan_overlap(backward.graph, overlap_cap(overlap.memory_bytes)))
 
 
 def partition_within_budget(partition, joint: fx.GraphModule, joint_inputs, partition_kwargs: dict, *, budget: int,
                             backend: str, world_size: int, parameters: int, buffers: int, graph_id: int,
-                            overlap: str | int | None = None):
+                            overlap: BackwardOverlap | None = None):
     """Partition ``joint`` (AOTAutograd's joint graph, tagged for ``"selective"``) once per mode of
     :data:`PLANNED_MODES` with ``partition`` (torch's min-cut partitioner), predict each mode's peak, and
     return the first mode's (forward, backward) that fits, else the least memory's; and the

@@ -83,6 +83,9 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("shard", "dynamo", True,
              "sequence-parallel lowering: this rank's tokens, ring attention, global loss normalizer",
              consumes=("attention", "dropped_outputs"), produces=("sharding",)),
+    PassSpec("share_replicated_grads", "dynamo", True,
+             "reduce_grads=False on a graph that runs replicated: each parameter gradient divided by P, so the "
+             "ranks' gradients sum to the whole as a sharded graph's do", consumes=("sharding",)),
     PassSpec("checkpoint_layers", "dynamo", True,
              "checkpoint='layers' / 'selective': decoder layers tagged for recomputation (selective: the ring "
              "attention's outputs kept)", consumes=("sharding", "checkpoint_regions"),

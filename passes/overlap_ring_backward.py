@@ -68,11 +68,11 @@ def _mutates_or_side_effects(node: fx.Node) -> bool:
 
 
 def _movable(node: fx.Node) -> bool:
-    if node.op != "call_function" or not node.users or _mutates_or_side_effects(node):
-        return False
     # burstc's ops stay where they are; so do the gradients' all-reduces (issued as soon as their gradient exists:
     # a 2-rank flat ring with reduce_grads hid 1.8 s of its last hops by moving them and lost 1.1 s on its step)
-    return node.target not in _COLLECTIVES and not str(node.target).startswith("burstc.")
+    if node.op != "call_function" or not node.users or node.target in _COLLECTIVES:
+        return False
+    return not str(node.target).startswith("burstc.") and not _mutates_or_side_effects(node)
 
 
 def deferrable_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -164,13 +164,14 @@ def moved_order(graph: fx.Graph, splits: list[Split]) -> list[fx.Node]:
     return order
 
 
-def overlap_cap(config) -> Callable[[fx.Node], int]:
-    """``config.overlap_memory_bytes``, or per ring backward what the call holds through its hop."""
+def overlap_cap(memory_bytes: int | None) -> Callable[[fx.Node], int]:
+    """The option ``overlap_memory_bytes`` per ring backward: ``memory_bytes``, or (None) what the call holds
+    through its hop anyway."""
     from burstc.memory import pending_backward_buffers
 
     def cap_of(ring: fx.Node) -> int:
-        if config.overlap_memory_bytes is not None:
-            return config.overlap_memory_bytes
+        if memory_bytes is not None:
+            return memory_bytes
         return pending_backward_buffers(val(ring.args[1]), val(ring.args[2]))
 
     return cap_of
@@ -178,7 +179,7 @@ def overlap_cap(config) -> Callable[[fx.Node], int]:
 
 def overlap_ring_backward(gm: fx.GraphModule, *, config, context) -> fx.GraphModule:
     graph = gm.graph
-    splits = plan_overlap(graph, overlap_cap(config))
+    splits = plan_overlap(graph, overlap_cap(config.overlap_memory_bytes))
     if not splits:
         context.note = "no ring attention backward in this graph"
         return gm

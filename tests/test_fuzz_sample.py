@@ -102,6 +102,15 @@ def test_checkpoint_fraction_zero_keeps_earlier_seeds():
     assert all(o.get("checkpoint") == "selective" for o in drawn if "checkpoint_keep" in o)
 
 
+def test_local_grads_fraction_zero_keeps_earlier_seeds():
+    """Drawing no reduce_grads=False consumes no randomness; drawn, it comes on meshes only, with every bound."""
+    assert _draw_cases(20, seed=11, local_grads_fraction=0.0) == _draw_cases(20, seed=11)
+    drawn = _draw_cases(200, seed=11, local_grads_fraction=0.5)
+    local = [dict(c.options) for c in drawn if ("reduce_grads", False) in c.options]
+    assert len(local) >= 40 and all(c.world_size > 1 for c in drawn if ("reduce_grads", False) in c.options)
+    assert {o.get("overlap_memory_bytes") for o in local} == {None, *fuzz.OVERLAP_BOUNDS}
+
+
 def test_generator_respects_feature_rules():
     for case in _draw_cases(300, seed=3, hf_fraction=0.0):
         m = case.model
@@ -325,6 +334,26 @@ def test_statistics_over_the_sequence_match_eager(workers, term):
                 options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "burst")))
     outcome = run_case(workers, case, timeout=WORKER_RUN_TIMEOUT_S)
     assert outcome.kind == SEQUENCE_TERMS[term] and not outcome.failed, (outcome.kind, outcome.codes, outcome.detail)
+
+
+# reduce_grads=False: the oracle sums each rank's gradients; a sharded graph's are its tokens' parts (weight gradients
+# moved into the ring backwards' last hops, every bound), a refused graph's 1/P each (share_replicated_grads)
+LOCAL_GRADS = {"sharded_all_moved": ("zigzag", 1 << 30, "sdpa_causal", "rewritten"),
+               "sharded_default_bound": ("striped", None, "sdpa_causal", "rewritten"),
+               "refused": ("zigzag", None, "max_tokens", "refused")}
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL_GRADS))
+def test_local_gradients_sum_to_eagers(workers, name):
+    layout, bound, kind, expected = LOCAL_GRADS[name]
+    attention, term = ("sdpa_causal", kind) if kind == "max_tokens" else (kind, "none")
+    options = (("backend", "aot_eager"), ("layout", layout), ("attention_plan", "kv_ring"), ("reduce_grads", False))
+    case = Case(model=ModelSpec(vocab=61, dim=16, layers=2, heads=2, kv_heads=2, head_dim=8, attention=attention,
+                                positions="rope", norm="rms", mlp="swiglu", sequence_term=term),
+                inputs=InputSpec(batch=2, seq=17, seed=5), world_size=3,
+                options=options + ((("overlap_memory_bytes", bound),) if bound is not None else ()))
+    outcome = run_case(workers, case, timeout=WORKER_RUN_TIMEOUT_S)
+    assert outcome.kind == expected and not outcome.failed, (outcome.kind, outcome.codes, outcome.detail)
 
 
 @pytest.mark.parametrize("argv", [["--ranks", "0"], ["--cases", "0"], ["--ranks", "-2", "2"],

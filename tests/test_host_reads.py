@@ -206,3 +206,37 @@ def test_copies_to_a_device_are_pinned_and_made_once(monkeypatch):
     first = local_positions(8, 2, 1, layout, "cpu")
     assert local_positions(8, 2, 1, layout, "cpu") is first and first.tolist() == [2, 3, 4, 5] and len(pinned) == 3
     masked._slopes.cache_clear()
+
+
+def test_a_write_the_version_counter_misses_is_seen_next_step():
+    with cpu_plays_a_device():
+        ids_BS = torch.arange(12).view(2, 6)
+        first = host_reads.host_copy(ids_BS)
+        ids_BS.data[0, 0] = 7  # through .data: the version counter does not move
+        assert host_reads.host_copy(ids_BS) is first  # within a step the copy stands
+        host_reads.new_step()  # each sharded graph's forward starts with this
+        assert int(host_reads.host_copy(ids_BS)[0, 0]) == 7
+
+
+def _sharded_calls_start_steps(rank, world_size):
+    import burstc
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from burstc.testing import zoo
+
+    compiled = burstc.compile(zoo.nanogpt_sdpa(), init_device_mesh("cpu", (world_size,)), backend="aot_eager")
+    inputs = zoo.nanogpt_inputs()
+    steps = []
+    original = host_reads.new_step
+    host_reads.new_step = lambda: (steps.append(1), original())
+    try:
+        for _ in range(2):
+            zoo.nanogpt_loss(compiled, inputs).backward()
+    finally:
+        host_reads.new_step = original
+    return len(steps), len(burstc.report(compiled).rewrites_of("shard"))
+
+
+def test_each_sharded_forward_starts_a_step_of_host_copies(workers):
+    for steps, shards in workers.get(2).run(_sharded_calls_start_steps):
+        assert shards == 1 and steps == 2, (steps, shards)

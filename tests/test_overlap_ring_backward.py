@@ -69,11 +69,11 @@ def _split_vs_whole(rank, world_size, mesh_shape, options):
                            for s, f, moved in zip(starts, finishes, between) for n in moved
                            if n.target == torch.ops.aten.mm.default and n.name in schedule)
     # the memory model replays the graph before the pass in the order the pass gives it: the same order
-    from burstc.memory import _overlap_order
+    from burstc.memory import BackwardOverlap, _overlap_order
 
     before = report.graphs["backward"]
     names_before = {n.name for n in before.graph.nodes}
-    replayed = [n.name for n in _overlap_order(before, options.get("overlap_memory_bytes") or "auto")
+    replayed = [n.name for n in _overlap_order(before, BackwardOverlap(options.get("overlap_memory_bytes")))
                 if n.target != ops.ring_attention_backward.default]
     backward_calls = [c for c in stats.calls if c.op == "backward"]
     return {

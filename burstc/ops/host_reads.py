@@ -10,6 +10,9 @@ every decision reads the copy; the kernels still take the device tensors.
 
 A model passes the same mask tensors to every attention layer of a step and saves them for the backward, so the
 copy is remembered per tensor object (until it is freed or written in place): one read-back per tensor per step.
+A write that torch's version counter does not see (through ``.data``, or a buffer the data loader refills that
+way) would leave a remembered copy stale, so the copies are forgotten when each sharded graph starts
+(:func:`new_step`, called by :class:`burstc.backend.BurstBackend`): a copy lives for one forward and its backward.
 On the CPU the copy is the tensor itself.
 
 The other way, a host tensor copied to a GPU the usual way (``.to(device)``, ``torch.tensor(..., device=)``) waits
@@ -57,6 +60,12 @@ def host_copy(t: Tensor | None) -> Tensor | None:
             _copies.pop(next(iter(_copies)))
         _copies[key] = (weakref.ref(t), version, copy)
     return copy
+
+
+def new_step() -> None:
+    """Forget every remembered copy: the next :func:`host_copy` of each tensor reads it back again (a sharded
+    graph's forward starts; its backward then shares the copies its forward made)."""
+    _copies.clear()
 
 
 def _pinned(t: Tensor) -> Tensor:

@@ -373,5 +373,6 @@ class _Transfers:
         if recorder.enabled:
             stats = recorder.stats
             stats.transfer_s_per_step[self.step] += end - self.posted
-            stats.hidden_s_per_step[self.step] += _overlap_s(self.posted, end, recorder.computing + recorder.away)
+            stats.hidden_s_per_step[self.step] += (_overlap_s(self.posted, end, recorder.computing)
+                                                    + _overlap_s(self.posted, end, recorder.away))
             stats.exposed_s_per_step[self.step] += self.post_s + end - self.wait_start

@@ -11,8 +11,12 @@ rank), so the compiled graph is the same on every rank and a shared Inductor cac
 - :func:`loss_all_reduce`: sum of the ranks' partial losses; backward is the identity (each rank's
   partial loss gets gradient 1, as in the single-device loss).
 - :func:`grad_all_reduce`: identity forward; backward sums the gradient over the mesh.
+- :func:`grad_share`: identity forward; backward divides the gradient by the number of ranks (a replicated graph
+  under ``reduce_grads=False``: the ranks' gradients then sum to the whole, as a sharded graph's do).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -149,15 +153,25 @@ class _LossAllReduce(torch.autograd.Function):
         return grad, None
 
 
-class _GradAllReduce(torch.autograd.Function):
+class _GradTransform(torch.autograd.Function):
+    """Identity forward; the backward applies ``transform`` to the gradient."""
+
     @staticmethod
-    def forward(ctx, param: Tensor, group_name: str) -> Tensor:
-        ctx.group_name = group_name
+    def forward(ctx, param: Tensor, transform) -> Tensor:
+        ctx.transform = transform
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad):
-        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name)), None
+        return ctx.transform(grad), None
+
+
+def _summed_over(group_name: str, grad: Tensor) -> Tensor:
+    return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", group_name))
+
+
+def _divided_by(world_size: int, grad: Tensor) -> Tensor:
+    return grad / world_size
 
 
 def sum_all_reduce(partial: Tensor, group_name: str) -> Tensor:
@@ -174,4 +188,10 @@ def loss_all_reduce(partial: Tensor, group_name: str) -> Tensor:
 
 def grad_all_reduce(param: Tensor, group_name: str) -> Tensor:
     """``param`` itself; its gradient is summed over the group in the backward."""
-    return _GradAllReduce.apply(param, group_name)
+    return _GradTransform.apply(param, functools.partial(_summed_over, group_name))
+
+
+def grad_share(param: Tensor, world_size: int) -> Tensor:
+    """``param`` itself; its gradient is divided by ``world_size`` in the backward: each of ``world_size`` ranks
+    that computed the whole gradient keeps its share, so summing the ranks' gradients gives the whole once."""
+    return _GradTransform.apply(param, functools.partial(_divided_by, world_size))

@@ -66,6 +66,7 @@ from burstc.testing.oracle import (
     finite_step,
     fp64_truth,
     parameter_grads,
+    summed_over_ranks,
     tolerance,
     training_step_errors,
     truth_scale,
@@ -265,10 +266,16 @@ def _draw_layouts(layouts) -> None:
 KEEP_FRACTIONS = (0.25, 0.5, 0.75)
 
 
-def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoint_fraction: float = 0.0
-                     ) -> tuple[tuple, tuple | None]:
+OVERLAP_BOUNDS = (0, 1 << 30)  # overlap_memory_bytes drawn beside the default (None): nothing moves / all may
+
+
+def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoint_fraction: float = 0.0,
+                     local_grads_fraction: float = 0.0) -> tuple[tuple, tuple | None]:
     """``checkpoint_fraction``: share of cases with burstc's checkpointing (``"layers"``, ``"selective"``, half of
-    the selective ones keeping part of each attention's output); 0 draws nothing for it (earlier seeds stay)."""
+    the selective ones keeping part of each attention's output); ``local_grads_fraction``: of cases on a mesh with
+    ``reduce_grads=False`` (gradients summed over the ranks by the oracle; weight gradients moved into the ring
+    backwards' last hops, half of them under a drawn ``overlap_memory_bytes``); 0 draws nothing for either (earlier
+    seeds stay)."""
     backend = "inductor" if allow_inductor and d.boolean(0.05) else "aot_eager"
     options = [("backend", backend), ("layout", d.choice(LAYOUTS)), ("attention_plan", d.choice(PLANS))]
     if d.boolean(0.3):
@@ -279,6 +286,10 @@ def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoin
         options.append(("checkpoint", d.choice(["layers", "selective"])))
         if options[-1][1] == "selective" and d.boolean(0.5):
             options.append(("checkpoint_keep", d.choice(KEEP_FRACTIONS)))
+    if local_grads_fraction and world_size > 1 and d.boolean(local_grads_fraction):
+        options.append(("reduce_grads", False))
+        if d.boolean(0.5):
+            options.append(("overlap_memory_bytes", d.choice(OVERLAP_BOUNDS)))
     alternative = None
     if world_size > 1 and d.boolean(0.4):
         layout = d.choice([x for x in LAYOUTS if x != dict(options)["layout"]])
@@ -289,16 +300,18 @@ def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoin
 
 
 def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
-                  flex_fraction: float = 0.0, checkpoint_fraction: float = 0.0) -> Case:
+                  flex_fraction: float = 0.0, checkpoint_fraction: float = 0.0, local_grads_fraction: float = 0.0
+                  ) -> Case:
     """``flex_fraction``: share of FlexAttention models; ``checkpoint_fraction``: of cases with burstc's
-    checkpointing; 0 draws nothing for either (earlier seeds stay the same)."""
+    checkpointing; ``local_grads_fraction``: of cases with ``reduce_grads=False``; 0 draws nothing for any (earlier
+    seeds stay the same)."""
     world_size = d.choice(list(world_sizes))
     if flex_fraction and d.boolean(flex_fraction):
         model = generate_flex_spec(d)
     else:
         model = generate_hf_spec(d) if d.boolean(hf_fraction) else generate_model_spec(d)
     inputs = generate_input_spec(d, world_size, model)
-    options, alternative = generate_options(d, world_size, allow_inductor, checkpoint_fraction)
+    options, alternative = generate_options(d, world_size, allow_inductor, checkpoint_fraction, local_grads_fraction)
     precision = "fp32" if d.boolean(0.8) else d.choice(["bf16", "autocast"])
     if _routes_tokens(model):
         # a router's top-k is discontinuous: in bf16 a last-bit difference in its input (another attention kernel,
@@ -393,6 +406,11 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
         try:
             cmodel = burstc.compile(model, mesh, **dict(options))
             loss, grads = _training_step(model, inputs, cmodel, autocast=autocast)
+            if not dict(options).get("reduce_grads", True):
+                # left local: the caller's reduction over the sequence ranks (a sum) must give eager's gradients
+                grads = summed_over_ranks(grads)
+                if grads is None:
+                    raise RuntimeError("reduce_grads=False: the ranks hold gradients of different parameters")
             report = burstc.report(cmodel)
         except Exception as exc:  # noqa: BLE001 - a crash is a finding: report it, never hide it
             run["error"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
@@ -670,6 +688,9 @@ def main(argv=None) -> int:
     parser.add_argument("--flex-fraction", type=float, default=0.1, help="share of FlexAttention models")
     parser.add_argument("--checkpoint-fraction", type=float, default=0.1,
                         help="share of cases with burstc's checkpointing (layers, selective, selective keeping part)")
+    parser.add_argument("--local-grads-fraction", type=float, default=0.1,
+                        help="share of cases on a mesh with reduce_grads=False (the gradients summed over the ranks "
+                             "by the oracle; the ring backwards' last hops overlapped with weight gradients)")
     parser.add_argument("--out", default="fuzz-out", help="folder for reproducers and the JSON summary")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
     parser.add_argument("--reduce-tries", type=int, default=10, help="reruns spent reducing each failure")
@@ -699,7 +720,7 @@ def main(argv=None) -> int:
     with WorkerPool(run_timeout_s=args.timeout) as pool, case_log:
         for n in range(args.cases):
             case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor,
-                                 args.flex_fraction, args.checkpoint_fraction)
+                                 args.flex_fraction, args.checkpoint_fraction, args.local_grads_fraction)
             if n < args.start:
                 continue
             case_start = time.time()

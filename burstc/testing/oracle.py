@@ -351,3 +351,22 @@ def assert_equivalent(model_fn: Callable, inputs_fn: Callable, loss_fn: Callable
                                  f"(nan = NaN mismatch, inf = missing): {_worst_first(bad)}\n"
                                  f"loss {result['loss']} vs eager {result['ref_loss']}\n{result['report']}")
     return results
+
+
+def summed_over_ranks(grads: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor] | None:
+    """Each gradient summed over the ranks of ``group``: what a caller's own reduction makes of the gradients a
+    ``reduce_grads=False`` compile leaves local.  None (and no collective that could hang) when the ranks hold
+    gradients of different parameters."""
+    import torch.distributed as dist
+
+    names = sorted(grads)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, names, group=group)
+    if any(other != names for other in every):
+        return None
+    summed = {}
+    for name in names:
+        total = grads[name].clone()
+        dist.all_reduce(total, group=group)
+        summed[name] = total
+    return summed
