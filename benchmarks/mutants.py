@@ -56,6 +56,7 @@ LCE_OP = ["tests/test_linear_cross_entropy_op.py"]
 FUSE = ["tests/test_fuse_lm_head_loss.py"]
 DETECT = ["tests/test_detect_masks.py"]
 RULES = ["tests/test_shard_rules.py"]
+SHARE_GRADS = ["tests/test_share_replicated_grads.py", "-k", "refused_graph"]
 MODEL_GQA = ["tests/test_sharded_models.py", "-k", "test_model_matches_single_device and titan_llama_gqa-2"]
 MODEL_LAYOUTS = ["tests/test_sharded_models.py", "-k", "test_layouts_and_plans and (zigzag-burst or striped-kv_ring)"]
 MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_cannot_split_is_padded_when_exact"]
@@ -218,10 +219,15 @@ MUTANTS = [
        "full = torch.cat(chunks)[positions]",
        "gather_seq applies the layout's permutation instead of its inverse", MODEL_GATHER),
     _m("grad_reduced_twice", "burstc/ops/sequence.py",
-       "return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), \"sum\", ctx.group_name)), None",
-       "once = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), \"sum\", ctx.group_name))\n"
-       "        return funcol.wait_tensor(funcol.all_reduce(once, \"sum\", ctx.group_name)), None",
+       "return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), \"sum\", group_name))",
+       "once = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), \"sum\", group_name))\n"
+       "    return funcol.wait_tensor(funcol.all_reduce(once, \"sum\", group_name))",
        "a parameter gradient all-reduced twice", MODEL_GQA),
+    _m("replicated_grads_whole_on_every_rank", "burstc/ops/sequence.py",
+       "    return grad / world_size",
+       "    return grad",
+       "reduce_grads=False: a replicated graph's gradients left whole on every rank (the caller's sum counts them P "
+       "times)", SHARE_GRADS),
     _m("unshard_grad_wrong_positions", "burstc/ops/sequence.py",
        "positions = _positions(group_name, total, layout, grad.device, chunk_owners)",
        "positions = _positions(group_name, total, \"contiguous\", grad.device, chunk_owners)",
