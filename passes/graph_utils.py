@@ -108,6 +108,22 @@ def placeholder_kind(node: fx.Node) -> str:
     return "input"
 
 
+def wrap_trained_parameters(graph: fx.Graph, fn, *args, fake_mode=None) -> int:
+    """Every parameter placeholder that needs a gradient and is read: its readers read ``fn(param, *args)``
+    instead (a node right after it; with ``fake_mode``, given its example value).  Returns how many."""
+    wrapped = 0
+    for node in list(graph.nodes):
+        example = val(node)
+        if node.op == "placeholder" and placeholder_kind(node) == "parameter" and example is not None \
+                and example.requires_grad and node.users:
+            with graph.inserting_after(node):
+                wrapper = graph.call_function(fn, (node, *args))
+            node.replace_all_uses_with(wrapper, delete_user_cb=lambda user: user is not wrapper)
+            propagate_meta([wrapper], fake_mode)
+            wrapped += 1
+    return wrapped
+
+
 def node_named(graph: fx.Graph, name: str) -> fx.Node:
     """The node called ``name`` (a mask term's runtime source: a placeholder, or a value computed from them)."""
     return next(n for n in graph.nodes if n.name == name)

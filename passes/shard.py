@@ -44,7 +44,7 @@ from burstc.ops.sequence import grad_all_reduce, loss_all_reduce, sum_all_reduce
 from burstc.passes import ShardingFact, module_path
 from burstc.passes.detect_attention import SDPA, attention_call, manual_interior, sdpa_kwargs
 from burstc.passes.graph_utils import dtype_name, eliminate_dead_code, fake_mode_of, in_place_writes, is_function, \
-    node_named, normalized_kwargs, placeholder_kind, refresh_meta, set_meta, val
+    node_named, normalized_kwargs, refresh_meta, set_meta, val, wrap_trained_parameters
 from burstc.refusals import PIPELINE, Refused
 from burstc.sharding.analysis import Analyzer, Plan, find_sequence_length
 from burstc.sharding.codes import CODES
@@ -342,12 +342,7 @@ def _apply(gm, plan: Plan, analyzer: Analyzer, config, context, group_name, docu
         gathered.append(out.name)
 
     if config.reduce_grads:
-        for node in list(graph.nodes):
-            if node.op == "placeholder" and placeholder_kind(node) == "parameter" and val(node) is not None \
-                    and val(node).requires_grad and node.users:
-                with graph.inserting_after(node):
-                    synced = graph.call_function(grad_all_reduce, (node, reduction_group(group_name)))
-                node.replace_all_uses_with(synced, delete_user_cb=lambda u: u is not synced)
+        wrap_trained_parameters(graph, grad_all_reduce, reduction_group(group_name))
     return gathered, tuple(plans), tuple(rings)
 
 

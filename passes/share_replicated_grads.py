@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from burstc.ops.sequence import grad_share
-from burstc.passes.graph_utils import fake_mode_of, placeholder_kind, propagate_meta, val
+from burstc.passes.graph_utils import fake_mode_of, wrap_trained_parameters
 
 KIND = "share_replicated_grads"
 
@@ -31,17 +31,7 @@ def share_replicated_grads(gm: fx.GraphModule, *, config, context) -> fx.GraphMo
     if context.facts.sharding is not None:
         context.note = "the graph is sharded: each rank's gradients are its tokens' part already"
         return gm
-    graph, fake_mode = gm.graph, fake_mode_of(gm)
-    shared = 0
-    for node in list(graph.nodes):
-        example = val(node)
-        if node.op == "placeholder" and placeholder_kind(node) == "parameter" and example is not None \
-                and example.requires_grad and node.users:
-            with graph.inserting_after(node):
-                share = graph.call_function(grad_share, (node, context.world_size))
-            node.replace_all_uses_with(share, delete_user_cb=lambda user: user is not share)
-            propagate_meta([share], fake_mode)
-            shared += 1
+    shared = wrap_trained_parameters(gm.graph, grad_share, context.world_size, fake_mode=fake_mode_of(gm))
     if shared:
         context.rewrite(KIND, f"{shared} parameters", {
             "world_size": context.world_size,
