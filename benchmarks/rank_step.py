@@ -61,8 +61,9 @@ def _instrument() -> None:
 
     _time_piece(rl, "block_attention_forward", "attention block kernels, forward")
     _time_piece(rl, "block_attention_backward", "attention block kernels, backward")
+    # The ops call these through ``ring_attention``'s module globals, so they are wrapped there.
     _time_piece(ra, "ring_forward", "ring forward op (kernels, merges, sends)")
-    _time_piece(ra, "ring_backward", "ring backward op (kernels, sums, sends)")
+    _time_piece(ra, "start_ring_backward", "ring backward op up to its last hop (kernels, sums, sends)")
     _time_piece(lce, "chunked_linear_cross_entropy", "fused LM head + loss")
     _time_piece(torch.optim.AdamW, "step", "AdamW")
 

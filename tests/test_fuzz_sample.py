@@ -145,6 +145,11 @@ def test_classify_flags_every_failure():
     assert classify(case, [_rank_result(exact, rewrites=(), codes=("shard.unsupported_op",))]).codes == [
         "shard.unsupported_op"]
     assert classify(case, [_rank_result({"loss": 0.0, "grad:w": 2e-5})]).kind == "mismatch"
+    # no finite fp64 truth: a gradient at rounding-noise level (listed by the rank) is judged by that
+    assert classify(case, [_rank_result({"loss": 0.0, "grad:w": 2e-5}, extra={"noise_grads": ["w"]})]).kind == (
+        "rewritten")
+    assert classify(case, [_rank_result({"loss": 0.0, "grad:w": 2e-5}, extra={"noise_grads": []})]).kind == (
+        "mismatch")
     assert classify(case, [_rank_result({"loss": float("nan")})]).kind == "mismatch"      # NaN never passes
     assert classify(case, [_rank_result({"loss": float("inf")})]).kind == "mismatch"      # a missing gradient
     disagree = _rank_result(exact, extra={"errors_vs_first": {"loss": 3e-5}})

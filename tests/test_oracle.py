@@ -42,6 +42,29 @@ def test_the_fp64_truth_forgives_only_gradients_at_least_as_close_to_it_as_eager
     assert errors_vs_truth({"w": torch.tensor([float("nan"), 0.0])}, true_grads)["w"] == float("inf")
 
 
+def test_without_a_truth_only_gradients_below_the_rounding_noise_of_the_largest_are_forgiven():
+    """Fuzz case 2034-390: router gradients zero in exact arithmetic (1e-8 of the largest gradient, under one fp32
+    ulp of it) differ by their own size, and the model's fp64 step is NaN, so no truth can judge them."""
+    from burstc.testing.oracle import TRUTH_ULPS, forgiven_as_noise, noise_level_grads
+
+    noise = TRUTH_ULPS * torch.finfo(torch.float32).eps  # of the largest gradient, 1.0 here
+    ref = {"big": torch.tensor([1.0, -0.5]), "router": torch.tensor([1e-8, -2e-9]), "small": torch.tensor([1e-4])}
+    assert noise_level_grads(ref, ref) == ["router"]  # "small" is 1e-4: real information, never noise
+    twice_noise = {**ref, "router": torch.tensor([1e-8 + 2 * noise, 0.0])}
+    assert noise_level_grads(twice_noise, ref) == []  # off by more than the noise: a missed or extra term
+    nan = {**ref, "router": torch.tensor([float("nan"), 0.0])}
+    assert noise_level_grads(nan, ref) == []  # NaN is never noise
+    assert noise_level_grads({"big": ref["big"]}, ref) == []  # a missing gradient neither
+    assert noise_level_grads(ref, ref, torch.bfloat16) == ["router", "small"]  # bf16's ulp is 2^16 x fp32's
+
+    bad = {"grad:router": 1.3e-5, "grad:small": 1.0, "loss": 1.0}
+    listed = {"noise_grads": ["router"]}
+    assert forgiven_as_noise(bad, (listed, listed)) == {"grad:small": 1.0, "loss": 1.0}
+    assert forgiven_as_noise(bad, (listed, {"noise_grads": []})) == bad  # every run must list it
+    assert forgiven_as_noise(bad, ({"noise_grads": None},)) == bad  # a truth existed: its rule decides
+    assert list(forgiven_as_noise({"grad:router": float("nan")}, (listed,))) == ["grad:router"]  # NaN never passes
+
+
 def test_a_nonfinite_fp64_truth_falls_back_to_the_given_lower_precision_only_when_that_is_finite():
     """HF's eager attention adds a finfo(dtype).min mask and softmaxes in fp32: in fp64 a query row that sees no key
     becomes all -inf after the cast, so the fp64 step is NaN where fp32 and bf16 are finite (fuzz case 2030/782).
