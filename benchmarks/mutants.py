@@ -58,6 +58,7 @@ DETECT = ["tests/test_detect_masks.py"]
 RULES = ["tests/test_shard_rules.py"]
 SHARE_GRADS = ["tests/test_share_replicated_grads.py", "-k", "refused_graph"]
 MODEL_GQA = ["tests/test_sharded_models.py", "-k", "test_model_matches_single_device and titan_llama_gqa-2"]
+PREFETCH_BURST = ["tests/test_prefetch_ring_backward.py", "-k", "two_ranks and burst"]
 MODEL_LAYOUTS = ["tests/test_sharded_models.py", "-k", "test_layouts_and_plans and (zigzag-burst or striped-kv_ring)"]
 MODEL_PADDED = ["tests/test_sharded_models.py", "-k", "test_length_the_layout_cannot_split_is_padded_when_exact"]
 MODEL_CE = ["tests/test_sharded_models.py", "-k", "test_unfused_cross_entropy_is_sharded or per_token_losses"]
@@ -126,8 +127,8 @@ MUTANTS = [
        "    if False:  # the last visitor's gradients go home",
        "a missing dK/dV (dQ) return hop: the last visitor's gradients never go home", RING_P2),
     _m("returned_grads_not_added", "burstc/ops/ring_loops.py",
-       "        wait(requests)\n        _add_returned_(returned, own_travelling_grads)\n",
-       "        wait(requests)\n",
+       "        _wait(requests)\n        _add_returned_(returned, own_travelling_grads)\n",
+       "        _wait(requests)\n",
        "gradients returned during the loop are received but not added (P >= 3)", RING_P2, RING_P4),
     _m("grad_rows_of_travelling_side", "burstc/ops/ring_loops.py",
        "return block.q_rows if grad == _DQ else block.kv_rows",
@@ -223,6 +224,11 @@ MUTANTS = [
        "once = funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), \"sum\", group_name))\n"
        "    return funcol.wait_tensor(funcol.all_reduce(once, \"sum\", group_name))",
        "a parameter gradient all-reduced twice", MODEL_GQA),
+    _m("prefetch_posts_grad_out_stand_in", "burstc/ops/ring_loops.py",
+       "    return (0, 2) if plan.queries_travel else (0, 1)",
+       "    return (0, 1) if plan.queries_travel else (0, 1)",
+       "a prefetched burst backward sends dO's stand-in (its queries) ahead instead of the LSE: the visited rank "
+       "computes with Q as dO", PREFETCH_BURST),
     _m("replicated_grads_whole_on_every_rank", "burstc/ops/sequence.py",
        "    return grad / world_size",
        "    return grad",

@@ -642,12 +642,30 @@ def op_buffers(world_size: int):
             return ring_backward_buffers(args["grad_out"], args["q"], args["k"], args["v"], args["layout"],
                                          args["mask"], args["plan"], world_size) \
                 + two_level_ring_buffers(args["group_names"], args["q"], args["k"], args["plan"], backward=True)
+        if name == "burstc.ring_attention_backward_prefetch.default":
+            return prefetch_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"], args["plan"],
+                                    world_size)
         if name.startswith("burstc.linear_cross_entropy_"):
             return fused_loss_buffers(args["hidden"], args["weight"], args["chunk_size"],
                                       with_grads="with_grads" in name or "backward" in name)
         return 0
 
     return buffers
+
+
+def prefetch_buffers(q, k, v, layout: str, mask: str, plan: str, world_size: int) -> int:
+    """Bytes a ``prefetch_ring_backward`` node allocates and hands to its ring backward, an upper bound: the receive
+    buffers of the first transfer's known-early tensors (one visiting shard of K and V, or of Q and the fp32 LSE),
+    the ring backward's own first-step buffers allocated ahead of it (and a contiguous copy of K / V when they
+    are not).  Counted at the node; they live until the backward's first step."""
+    from burstc.attention_ir import MaskSpec
+    from burstc.ops.ring_attention import resolve_plan
+
+    batch, heads_q, local_len, head_dim = q.shape
+    elem = q.element_size()
+    if resolve_plan(plan, q, k, world_size, layout, MaskSpec.decode(mask)) == "burst":
+        return batch * heads_q * local_len * (head_dim * elem + ACC_BYTES) + (0 if q.is_contiguous() else q.nbytes)
+    return 2 * k.nbytes + sum(0 if t.is_contiguous() else t.nbytes for t in (k, v))
 
 
 def pending_backward_buffers(q, k) -> int:

@@ -96,6 +96,9 @@ PASSES: tuple[PassSpec, ...] = (
     PassSpec("overlap_ring_backward", "aot_backward", True,
              "each ring backward split at its last hop (start / finish nodes), the weight gradients computed before "
              "it moved into the hop"),
+    PassSpec("prefetch_ring_backward", "aot_backward", True,
+             "each ring backward's first transfer (what of it exists before the backward: K/V, or Q and the LSE) "
+             "posted from a node of its own, right after the previous ring backward"),
     PassSpec("schedule", "aot_backward", True,
              "parameter-gradient all-reduces bucketed (grad_bucket_bytes), issued as soon as a bucket's gradients "
              "exist, waited at the end of the backward"),

@@ -21,19 +21,7 @@ from burstc.testing import zoo
 PASS = "overlap_ring_backward"
 
 
-def _step(mesh, **options):
-    import burstc
-    from burstc.ops.ring_attention import record_stats
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = zoo.titan_llama()
-    cmodel = burstc.compile(model, mesh, backend=options.pop("backend", "aot_eager"), **options)
-    with record_stats() as stats:
-        loss = zoo.call_with_loss(cmodel, zoo.titan_inputs())
-        loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, burstc.report(cmodel), stats
+_step = zoo.compiled_titan_step
 
 
 def _split_vs_whole(rank, world_size, mesh_shape, options):

@@ -30,9 +30,9 @@ from burstc.attention_ir import MaskSpec
 from burstc.block_geometry import DoubleRingRoutes
 from burstc.ops.head_groups import GroupLoop
 from burstc.ops.ring_comm import TwoLevelRing, wait
-from burstc.ops.ring_loops import (_DQ, _DK, _DV, NO_TRANSFER, BackwardPlan, MaskData, _Accumulator, _add_returned_,
-                                   _Arrivals, _rows_between, attend_backward, attend_forward, backward_sides,
-                                   fp32_zeros_like, input_transfer, return_transfer)
+from burstc.ops.ring_loops import (_DQ, _DK, _DV, NO_TRANSFER, BackwardPlan, FirstTransfer, MaskData, _Accumulator,
+                                   _add_returned_, _Arrivals, _rows_between, _wait, attend_backward, attend_forward,
+                                   backward_sides, fp32_zeros_like, input_transfer, return_transfer)
 from burstc.ops.ring_stats import CallRecorder
 
 
@@ -75,17 +75,37 @@ def double_ring_forward_loop(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, rin
     return acc.result(q_BHSD.dtype)
 
 
+def _backward_routes(plan: BackwardPlan, ring: TwoLevelRing, layout: str, mask: MaskSpec, local_len: int,
+                     data: MaskData) -> DoubleRingRoutes:
+    return DoubleRingRoutes(ring, _rows_between(plan.queries_travel, layout, mask, local_len, ring, data, any_pair=True))
+
+
+def _lane_first_transfer(routes: DoubleRingRoutes, ring: TwoLevelRing, like: list, recorder: CallRecorder
+                         ) -> FirstTransfer:
+    """Lane 1's transfer over the inter-node link (posted during outer step 0, counted at its step 0)."""
+    return FirstTransfer(ring.inter, 1, routes.lane_out(1), routes.lane_in(1), _Arrivals(like), 1, 0, recorder)
+
+
+def lane_first_transfer(plan: BackwardPlan, ring: TwoLevelRing, layout: str, mask: MaskSpec, local_len: int,
+                        data: MaskData, like: list, recorder: CallRecorder) -> FirstTransfer:
+    """A double-ring backward's first transfer, the first lane's (:func:`burstc.ops.ring_loops.first_backward_transfer`)."""
+    return _lane_first_transfer(_backward_routes(plan, ring, layout, mask, local_len, data), ring, like, recorder)
+
+
 def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: TwoLevelRing,
                               layout: str, mask: MaskSpec, scale: float, recorder: CallRecorder,
-                              data: MaskData) -> GroupLoop:
+                              data: MaskData, first: FirstTransfer | None = None) -> GroupLoop:
     """:func:`burstc.ops.ring_loops._backward_loop` on the double ring (three parts, the first posting the first
-    lane's transfer): ``(dq, dk, dv)`` in the inputs' dtypes."""
+    lane's transfer, or the rest of it where ``first`` was partly posted ahead of the call): ``(dq, dk, dv)`` in
+    the inputs' dtypes."""
     nodes, per_node, size = ring.nodes, ring.per_node, ring.size
     local_len = q.shape[2]
     grads, home_travelling, home = backward_sides(plan, grad_out, q, k, v, lse, delta)
     own_grads = [grads[i] for i in plan.travelling_grads]
-    routes = DoubleRingRoutes(ring, _rows_between(plan.queries_travel, layout, mask, local_len, ring, data, any_pair=True))
-    lanes, arrivals = _Arrivals(home_travelling), _Arrivals(home_travelling)
+    routes = _backward_routes(plan, ring, layout, mask, local_len, data)
+    if first is None:
+        first = _lane_first_transfer(routes, ring, home_travelling, recorder)
+    lanes, arrivals = first.arrivals, _Arrivals(home_travelling)
     lane = home_travelling
     lane_grads = {0: own_grads}  # lane index -> its travelling side's gradients accumulated on this rank
     previous = None  # (lane, inner step, partial gradients) of the last compute step
@@ -103,14 +123,15 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
                         own_grads)
 
     def post_lane(j: int):
-        """Post lane ``j + 1``'s transfer (during outer step ``j``): ``(requests, runs, arriving)``."""
+        """Post lane ``j + 1``'s transfer (during outer step ``j >= 1``): ``(requests, runs, arriving)``."""
         nxt = j + 1
         lane_sends, lane_recvs, lane_runs, lane_arriving = (
             input_transfer(nxt, routes.lane_out(nxt), routes.lane_in(nxt), home_travelling, lanes, nxt)
             if nxt < nodes else NO_TRANSFER)
         return ring.inter.post_between(lane_sends, lane_recvs, recorder, j * per_node), lane_runs, lane_arriving
 
-    next_lane = post_lane(0)
+    first.post_rest(home_travelling)
+    next_lane = first, first.in_runs, first.arriving
     yield
     for j in range(nodes):
         nxt = j + 1
@@ -144,7 +165,7 @@ def double_ring_backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, d
             previous = (j, i, partial)
             travelling = arrivals.unpack(step + 1, runs, arriving) if arriving is not None else None
         for posted in inter_requests:
-            wait(posted)
+            _wait(posted)
         _add_returned_(inter_returned, own_grads)
         lane = lanes.unpack(nxt, lane_runs, lane_arriving) if lane_arriving is not None else None
     # the last intra-node return, then the last lanes' gradients home (lane N - 1, and lane N - 2 when its

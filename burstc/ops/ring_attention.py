@@ -41,7 +41,7 @@ from burstc.ops import host_reads
 from burstc.ops.hidden_rows import add_uniform_rows_, local_hidden_rows, uniform_rows_grads
 from burstc.ops.lse_merge import ACC_DTYPE
 from burstc.ops.ring_comm import Ring, TwoLevelRing, UlyssesRing, resolve_group
-from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, ring_forward, start_ring_backward
+from burstc.ops.ring_loops import BACKWARD_PLANS, MaskData, prefetch_backward, ring_forward, start_ring_backward
 from burstc.ops.ring_stats import RingCallStats, RingStats, record_stats  # noqa: F401  (public API)
 
 PLANS = tuple(BACKWARD_PLANS)  # ("kv_ring", "burst")
@@ -98,9 +98,13 @@ _MASK_DATA_ARGS = "Tensor? doc_ids=None, Tensor? key_valid=None, int uniform_row
 # rows it did not keep (:mod:`burstc.kept_rows`).  Not differentiable.
 _FORWARD_SCHEMA = "(Tensor q, Tensor k, Tensor v, str[] group_names, str layout, str mask, float scale, str plan," \
                   f" {_MASK_DATA_ARGS}, int query_rows=-1) -> (Tensor, Tensor)"
+# ``prefetched`` (backward): the token of a ``burstc::ring_attention_backward_prefetch`` of the same call, which
+# posted the first transfer's tensors known before ``grad_out`` (the ``prefetch_ring_backward`` pass).
 _BACKWARD_SCHEMA = "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse," \
-                   f" str[] group_names, str layout, str mask, float scale, str plan, {_MASK_DATA_ARGS})" \
-                   " -> (Tensor, Tensor, Tensor)"
+                   f" str[] group_names, str layout, str mask, float scale, str plan, {_MASK_DATA_ARGS}," \
+                   " Tensor? prefetched=None) -> (Tensor, Tensor, Tensor)"
+_PREFETCH_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor lse, str[] group_names, str layout, str mask, float scale," \
+                   f" str plan, {_MASK_DATA_ARGS}) -> Tensor"
 
 
 class MissingMaskData(ValueError, NotImplementedError):
@@ -183,21 +187,35 @@ def _ring_attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tenso
                                 grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
                                 scale: float, plan: str, doc_ids: Tensor | None = None,
                                 key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
-                                uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
-                                ) -> tuple[Tensor, Tensor, Tensor]:
+                                uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None,
+                                prefetched: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     return _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
-                           key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners)()
+                           key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, prefetched)()
 
 
-def _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
-                    key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners
-                    ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
-    """The backward up to its last hop (posted, not waited for); the returned function finishes it."""
+def _call_setup(q: Tensor, k: Tensor, group_names, layout: str, mask: str, plan: str, doc_ids, key_valid,
+                chunk_owners):
+    """``(ring, mask spec, layout, mask data, backward plan)`` of a backward call (its prefetch's too)."""
     ring, spec = _ring_of(group_names), MaskSpec.decode(mask)
     layout = resolve_layout(layout, chunk_owners, q.shape[2] * ring.size)
     data = _mask_data(spec, doc_ids, key_valid, q.shape[0], q.shape[2] * ring.size, q.device)
-    finish_ring = start_ring_backward(resolve_plan(plan, q, k, ring.size, layout, spec), grad_out, q, k, v, out, lse,
-                                      grad_lse, ring, layout, spec, scale, data)
+    return ring, spec, layout, data, resolve_plan(plan, q, k, ring.size, layout, spec)
+
+
+def _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
+                    key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, prefetched=None
+                    ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
+    """The backward up to its last hop (posted, not waited for); the returned function finishes it."""
+    ahead = None
+    if prefetched is not None:
+        ahead = _PENDING_PREFETCHES.pop(int(prefetched), _MISSING)
+        if ahead is _MISSING:
+            raise RuntimeError(f"burstc ring attention: prefetch token {int(prefetched)} was never posted or is "
+                               "already used (a prefetch feeds exactly one backward, after it)")
+    ring, spec, layout, data, plan = _call_setup(q, k, group_names, layout, mask, plan, doc_ids, key_valid,
+                                                 chunk_owners)
+    finish_ring = start_ring_backward(plan, grad_out, q, k, v, out, lse, grad_lse, ring, layout, spec, scale, data,
+                                      ahead)
 
     def finish() -> tuple[Tensor, Tensor, Tensor]:
         grads = finish_ring()
@@ -213,8 +231,39 @@ def _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, 
 
 @_ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids=None, key_valid=None,
-      uniform_rows_keys=0, uniform_rows_score_grad=True, chunk_owners=None):
+      uniform_rows_keys=0, uniform_rows_score_grad=True, chunk_owners=None, prefetched=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# The backward's first transfer posted ahead of it (the ``prefetch_ring_backward`` pass,
+# ``burstc/passes/prefetch_ring_backward.py``): what the first transfer carries that exists before the backward has
+# its ``grad_out`` (K and V for ``kv_ring``, Q and the LSE for ``burst``; on the double ring the first lane's, over
+# the inter-node link) goes out from a node of its own, ahead of the layer's other backward work; the backward
+# posts the rest of that transfer when it starts.  Returns a token (a CPU int64 scalar) the backward's
+# ``prefetched`` argument takes; the posted transfer waits in ``_PENDING_PREFETCHES`` under it.  Every rank runs
+# the same graph, so every pair of ranks posts the same parts in the same order.
+_PENDING_PREFETCHES: dict[int, object] = {}
+_MISSING = object()
+
+
+@torch.library.custom_op("burstc::ring_attention_backward_prefetch", mutates_args=(), schema=_PREFETCH_SCHEMA)
+@without_autocast
+def _ring_attention_backward_prefetch_op(q: Tensor, k: Tensor, v: Tensor, lse: Tensor, group_names: list[str],
+                                         layout: str, mask: str, scale: float, plan: str,
+                                         doc_ids: Tensor | None = None, key_valid: Tensor | None = None,
+                                         uniform_rows_keys: int = 0, uniform_rows_score_grad: bool = True,
+                                         chunk_owners: Tensor | None = None) -> Tensor:
+    ring, spec, layout, data, plan = _call_setup(q, k, group_names, layout, mask, plan, doc_ids, key_valid,
+                                                 chunk_owners)
+    _NEXT_TOKEN[0] += 1
+    # None on the hybrid ring (its exchanges are all-to-alls): the backward then posts everything itself
+    _PENDING_PREFETCHES[_NEXT_TOKEN[0]] = prefetch_backward(plan, q, k, v, lse, ring, layout, spec, data)
+    return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)
+
+
+@_ring_attention_backward_prefetch_op.register_fake
+def _(q, *args, **kwargs):
+    return torch.empty((), dtype=torch.int64, device="cpu")
 
 
 # The backward split in two (the ``overlap_ring_backward`` pass, ``burstc/passes/overlap_ring_backward.py``):
@@ -234,10 +283,10 @@ def _ring_attention_backward_start_op(grad_out: Tensor, q: Tensor, k: Tensor, v:
                                       grad_lse: Tensor | None, group_names: list[str], layout: str, mask: str,
                                       scale: float, plan: str, doc_ids: Tensor | None = None,
                                       key_valid: Tensor | None = None, uniform_rows_keys: int = 0,
-                                      uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None
-                                      ) -> Tensor:
+                                      uniform_rows_score_grad: bool = True, chunk_owners: Tensor | None = None,
+                                      prefetched: Tensor | None = None) -> Tensor:
     finish = _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
-                             key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners)
+                             key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, prefetched)
     _NEXT_TOKEN[0] += 1
     _PENDING_BACKWARDS[_NEXT_TOKEN[0]] = finish
     return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)

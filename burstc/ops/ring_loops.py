@@ -323,6 +323,111 @@ def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, ar
                           step)
 
 
+def known_early(plan: BackwardPlan) -> tuple[int, ...]:
+    """Indices of the travelling side (:func:`backward_sides`' order) known before a backward has its ``grad_out``:
+    K and V (``kv_ring``: all of it), Q and the LSE (``burst``: dO and delta follow when the backward starts)."""
+    return (0, 2) if plan.queries_travel else (0, 1)
+
+
+class FirstTransfer:
+    """A backward loop's first input transfer, posted in parts: the travelling tensors :func:`known_early` (a
+    prefetch posts them ahead of the op, :func:`prefetch_backward`) and the rest when the loop starts.  Each part
+    is one :meth:`Ring.post_between`, so both sides of a pair post the same parts in the same order; the bytes
+    are the unsplit transfer's, counted at the same step."""
+
+    def __init__(self, link: Ring, offset: int, out_runs: Runs, in_runs: Runs, arrivals: _Arrivals, slot: int,
+                 step: int, recorder: CallRecorder):
+        self.link, self.offset, self.out_runs, self.in_runs = link, offset, out_runs, in_runs
+        self.arrivals, self.step, self.recorder = arrivals, step, recorder
+        # where this rank's rows arrive (compact), None when none come
+        self.arriving = arrivals.receive_buffers(slot, in_runs) if in_runs else None
+        self.posted, self.sent = [], set()
+
+    def post(self, source: Sequence[Tensor], indices: Sequence[int]) -> None:
+        """Post the tensors ``indices`` of the travelling side: rows ``out_runs`` of ``source`` out, their
+        ``in_runs`` in."""
+        sends = [(self.offset, [_gather_rows(source[i], self.out_runs) for i in indices])] if self.out_runs else []
+        recvs = [(-self.offset, [self.arriving[i] for i in indices])] if self.in_runs else []
+        self.posted.append(self.link.post_between(sends, recvs, self.recorder, self.step))
+        self.sent.update(indices)
+
+    def post_rest(self, source: Sequence[Tensor]) -> None:
+        rest = [i for i in range(len(source)) if i not in self.sent]
+        if rest:
+            self.post(source, rest)
+
+    def wait(self) -> None:
+        for posted in self.posted:
+            wait(posted)
+
+
+def _wait(requests) -> None:
+    if isinstance(requests, FirstTransfer):
+        requests.wait()
+    else:
+        wait(requests)
+
+
+def _flat_first_transfer(ring: Ring, rows_between, like: list[Tensor], recorder: CallRecorder) -> FirstTransfer:
+    """Compute step 1's input transfer (:func:`_input_transfers`) as a :class:`FirstTransfer`; none on one rank."""
+    if ring.size < 2:
+        return FirstTransfer(ring, 1, (), (), _Arrivals(like), 1, 0, recorder)
+    return FirstTransfer(ring, 1, rows_between(receiver=(ring.rank + 1) % ring.size, sender=ring.rank),
+                         rows_between(receiver=ring.rank, sender=(ring.rank - 1) % ring.size), _Arrivals(like), 1, 0,
+                         recorder)
+
+
+def first_backward_transfer(plan: BackwardPlan, ring: Ring | TwoLevelRing, layout: str, mask: MaskSpec,
+                            local_len: int, data: MaskData, like: list[Tensor], recorder: CallRecorder
+                            ) -> FirstTransfer:
+    """The first transfer of a backward loop over ``ring`` (flat: step 1's; double ring: the first lane's, over the
+    inter-node link), nothing posted yet.  ``like``: the travelling side's tensors or stand-ins of their shapes
+    and dtypes."""
+    if isinstance(ring, TwoLevelRing):
+        from burstc.ops.double_ring import lane_first_transfer
+
+        return lane_first_transfer(plan, ring, layout, mask, local_len, data, like, recorder)
+    return _flat_first_transfer(ring, _rows_between(plan.queries_travel, layout, mask, local_len, ring, data), like,
+                                recorder)
+
+
+@dataclasses.dataclass
+class PrefetchedBackward:
+    """A backward's first transfer posted ahead of it (its known-early tensors, for the call's first loop): what
+    :func:`start_ring_backward` continues from."""
+
+    plan: str
+    recorder: CallRecorder
+    first: FirstTransfer
+    q_heads: slice
+    kv_heads: slice
+    back: Callable[[], None]
+    """Ends the time away (:meth:`CallRecorder.leave`): from the prefetch to the backward's start the graph's other
+    work runs, and it hides the prefetched transfer as the call's own compute would."""
+
+
+def prefetch_backward(plan_name: str, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, lse_BHS: Tensor, ring,
+                      layout: str, mask: MaskSpec, data: MaskData) -> PrefetchedBackward | None:
+    """Post the first transfer of the backward's first loop (head group and batch group) for the tensors known
+    before ``grad_out`` exists (:func:`known_early`); None on the hybrid (Ulysses) ring, whose exchanges are
+    all-to-alls inside its own function."""
+    if isinstance(ring, UlyssesRing):
+        return None
+    plan = BACKWARD_PLANS[plan_name]
+    recorder = CallRecorder("backward", plan_name, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    lse_BHS = lse_BHS.to(ACC_DTYPE).contiguous()
+    pieces = _call_pieces(data, (q_BHSD, k_BHSD, v_BHSD, lse_BHS), ring, mask, recorder)
+    group, (q, k, v, lse), q_heads, kv_heads = next(pieces)
+    pieces.close()  # the backward splits the call again (and records the split) when it starts
+    if plan.queries_travel:  # dO like q (cast to q's dtype), delta like the fp32 lse: stand-ins for their buffers
+        like = [q[:, q_heads].contiguous(), q[:, q_heads], lse[:, q_heads], lse[:, q_heads]]
+    else:
+        like = [k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous()]
+    first = first_backward_transfer(plan, ring, layout, mask, q.shape[2], group.data, like, recorder)
+    first.post(like, known_early(plan))
+    return PrefetchedBackward(plan_name, recorder, first, q_heads, kv_heads, recorder.leave())
+
+
 class _Accumulator:
     """A rank's running ``(out, lse)`` in fp32 over the blocks merged so far (None before the first)."""
 
@@ -461,11 +566,12 @@ def ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tens
 
 def start_ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor,
                         out_BHSD: Tensor, lse_BHS: Tensor, grad_lse_BHS: Tensor | None, ring: Ring, layout: str,
-                        mask: MaskSpec, scale: float, data: MaskData = MaskData()
-                        ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
+                        mask: MaskSpec, scale: float, data: MaskData = MaskData(),
+                        prefetched: PrefetchedBackward | None = None) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` up to its last hop (the last visitor's gradients going home), posted and not waited
     for; the returned function waits for it and returns ``(dq, dk, dv)``.  The hybrid (Ulysses) ring runs whole
-    here (its last exchange is an all-to-all inside its own function)."""
+    here (its last exchange is an all-to-all inside its own function).  ``prefetched``: the first loop's first
+    transfer, partly posted ahead of the call (:func:`prefetch_backward`, same plan and inputs)."""
     if isinstance(ring, UlyssesRing):
         from burstc.ops.ulysses import ulysses_ring_backward
 
@@ -476,7 +582,13 @@ def start_ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD
     lse_BHS = lse_BHS.to(ACC_DTYPE).contiguous()
     # An lse gradient g adds P * g to d(scores): the same as using delta - g (only delta changes).
     lse_has_grad = grad_lse_BHS is not None and bool(grad_lse_BHS.ne(0).any())
-    recorder = CallRecorder("backward", plan, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    if prefetched is not None and prefetched.plan != plan:
+        raise AssertionError(f"a backward prefetched for plan {prefetched.plan!r} started with plan {plan!r}")
+    if prefetched is None:
+        recorder = CallRecorder("backward", plan, ring, layout, mask.encode(), q_BHSD, k_BHSD)
+    else:
+        recorder = prefetched.recorder
+        prefetched.back()
     if BACKWARD_PLANS[plan].queries_travel:  # delta travels with the queries
         delta_BHS = attention_delta(out_BHSD, grad_out_BHSD)
         if lse_has_grad:
@@ -498,9 +610,15 @@ def start_ring_backward(plan: str, grad_out_BHSD: Tensor, q_BHSD: Tensor, k_BHSD
     inputs = (q_BHSD, k_BHSD, v_BHSD, grad_out_BHSD, out_BHSD, lse_BHS, delta_BHS)
     for group, (q, k, v, grad_out, out, lse, delta), q_heads, kv_heads in _call_pieces(data, inputs, ring, mask,
                                                                                        recorder):
+        first = None
+        if prefetched is not None and not loops:
+            if (prefetched.q_heads, prefetched.kv_heads) != (q_heads, kv_heads):
+                raise AssertionError(f"a backward prefetched for heads {prefetched.q_heads}, {prefetched.kv_heads} "
+                                     f"started with {q_heads}, {kv_heads}")
+            first = prefetched.first
         loops.append(loop(BACKWARD_PLANS[plan], grad_out[:, q_heads], q[:, q_heads], k[:, kv_heads],
                           v[:, kv_heads], heads(out, q_heads), lse[:, q_heads], heads(delta, q_heads), ring,
-                          layout, mask, scale, recorder, group.data))
+                          layout, mask, scale, recorder, group.data, first))
         places.append((q_heads, kv_heads, kv_heads))
         batch_rows.append(group.rows)
     outputs = None
@@ -577,7 +695,8 @@ def backward_sides(plan: BackwardPlan, grad_out, q, k, v, lse, delta):
 
 
 def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring: Ring, layout: str,
-                   mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData) -> GroupLoop:
+                   mask: MaskSpec, scale: float, recorder: CallRecorder, data: MaskData,
+                   first: FirstTransfer | None = None) -> GroupLoop:
     """The one backward loop, in the three parts of :data:`burstc.ops.head_groups.GroupLoop`; returns
     ``(dq, dk, dv)`` in the inputs' dtypes.  At step i the travelling side held here belongs to rank (rank - i).
 
@@ -590,10 +709,12 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
     grads, home_travelling, home = backward_sides(plan, grad_out, q, k, v, lse, delta)
     own_travelling_grads = [grads[i] for i in plan.travelling_grads]
     rows_between = _rows_between(plan.queries_travel, layout, mask, local_len, ring, data)
-    arrivals = _Arrivals(home_travelling)
+    if first is None:  # (else its known-early part was posted ahead of the call)
+        first = _flat_first_transfer(ring, rows_between, home_travelling, recorder)
+    first.post_rest(home_travelling)
+    arrivals, next_runs, arriving = first.arrivals, first.in_runs, first.arriving
     travelling, previous = home_travelling, None  # previous: (step, its visitor's partial gradients)
-    sends, recvs, next_runs, arriving = _input_transfers(ring, rows_between, home_travelling, 1, arrivals)
-    requests = ring.post_between(sends, recvs, recorder, 0)  # step 0 returns nothing
+    requests = first  # step 0 returns nothing
     returned = ((), None)
     yield
     for step in range(size):
@@ -612,7 +733,7 @@ def _backward_loop(plan: BackwardPlan, grad_out, q, k, v, out, lse, delta, ring:
             partial = fp32_zeros_like(own_travelling_grads)
         attend_backward(plan, travelling, home, q_owner, kv_owner, out, grads, partial, ring, layout, mask, scale,
                         data, recorder, step)
-        wait(requests)
+        _wait(requests)
         _add_returned_(returned, own_travelling_grads)
         previous = partial if step > 0 else None
         travelling = arrivals.unpack(step + 1, next_runs, arriving) if arriving is not None else None

@@ -17,6 +17,7 @@ from burstc.testing.zoo.titan import (  # noqa: F401
     titan_inputs_odd_length,
     titan_inputs_odd_length_batch,
     call_with_loss,
+    compiled_titan_step,
     Regularized,
     regularized,
     WeightedPerTokenLoss,

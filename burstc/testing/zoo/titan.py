@@ -177,6 +177,23 @@ def call_with_loss(model, inputs):
     return model(*inputs)
 
 
+def compiled_titan_step(mesh, **options):
+    """One training step of ``titan_llama()`` (seed 0) compiled on ``mesh`` (``backend`` aot_eager unless given):
+    ``(loss, {name: gradient}, burstc's report, the ring calls' stats)``."""
+    import burstc
+    from burstc.ops.ring_attention import record_stats
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = titan_llama()
+    cmodel = burstc.compile(model, mesh, backend=options.pop("backend", "aot_eager"), **options)
+    with record_stats() as stats:
+        loss = call_with_loss(cmodel, titan_inputs())
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, burstc.report(cmodel), stats
+
+
 class Regularized(torch.nn.Module):
     """A loss plus a replicated parameter term: the shard pass must refuse (not count it P times)."""
 
