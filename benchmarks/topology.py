@@ -220,8 +220,7 @@ MODEL_RINGS = ("double", "ulysses", "flat")
 
 
 def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: tuple[str, ...],
-                without: tuple[str, ...] = (), reduce_grads: bool = True, overlap_memory_bytes: int | None = None,
-                prefetch: bool | None = None):
+                without: tuple[str, ...] = (), reduce_grads: bool = True, overlap_memory_bytes: int | None = None):
     """Training steps (forward, backward, AdamW) of a torchtitan-style Llama compiled with each ``ring``: the
     best step time of ``config.iters`` after a compiling one, the loss, and the ring each attention ran.  Each
     ring again with the passes ``without`` disabled (an A/B of those passes in the same run), rows
@@ -245,8 +244,7 @@ def _model_task(rank, world_size, config: Config, dim: int, layers: int, rings: 
                                                        n_kv_heads=config.heads_kv, vocab_size=vocab,
                                                        max_seq_len=config.seq_len + 1))).to(DTYPES[config.dtype])
             cmodel = burstc.compile(model, _mesh(config), backend="aot_eager", ring=ring, disable_passes=disabled,
-                                    reduce_grads=reduce_grads, overlap_memory_bytes=overlap_memory_bytes,
-                                    prefetch_ring_backward=prefetch)
+                                    reduce_grads=reduce_grads, overlap_memory_bytes=overlap_memory_bytes)
             runs[label] = {"model": cmodel, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4),
                            "times": []}
         for step in range(config.iters + 1):
@@ -360,8 +358,6 @@ def main(argv=None) -> int:
     parser.add_argument("--no-reduce-grads", action="store_true",
                         help="--model: compile with reduce_grads=False (the gradients' all-reduce left to the caller, "
                              "as under FSDP: not timed)")
-    parser.add_argument("--prefetch", action="store_true",
-                        help="--model: compile with prefetch_ring_backward=True (its default prefetches on CUDA only)")
     parser.add_argument("--overlap-memory-bytes", type=int, default=None,
                         help="--model: burstc's overlap_memory_bytes option (default: automatic)")
     args = parser.parse_args(argv)
@@ -378,7 +374,7 @@ def main(argv=None) -> int:
                                         args.iters, ())
                         per_rank = workers.run(_model_task, config, args.dim, args.layers, tuple(args.rings),
                                                tuple(args.without), not args.no_reduce_grads,
-                                               args.overlap_memory_bytes, True if args.prefetch else None)
+                                               args.overlap_memory_bytes)
                         print(_model_table(config, per_rank, args.dim, args.layers, rates), "\n", flush=True)
                         all_rows.append({"config": dataclasses.asdict(config), "rates_mbps": rates,
                                          "results": per_rank})

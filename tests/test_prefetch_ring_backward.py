@@ -32,8 +32,7 @@ def _with_vs_without(rank, world_size, mesh_shape, options):
 
     names = ("inter", "intra") if len(mesh_shape) == 2 else None
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    # on CPU the pass runs only when asked (its default prefetches on CUDA only)
-    loss, grads, report, sent = _step(mesh, prefetch_ring_backward=True, **options)
+    loss, grads, report, sent = _step(mesh, **options)
     plain_loss, plain_grads, _, plain_sent = _step(mesh, disable_passes=[PASS], **options)
     ops = torch.ops.burstc
     rings = (ops.ring_attention_backward.default, ops.ring_attention_backward_start.default)
@@ -131,7 +130,7 @@ def _run_pass(gm, **options):
 
 def test_each_ring_backward_prefetched_after_the_previous_one():
     gm, (first, second) = _graph_with_ring_backwards(between=2)
-    gm, report = _run_pass(gm, prefetch_ring_backward=True)
+    gm, report = _run_pass(gm)
     nodes = list(gm.graph.nodes)
     prefetches = [n for n in nodes if n.target == torch.ops.burstc.ring_attention_backward_prefetch.default]
     assert [first.kwargs["prefetched"], second.kwargs["prefetched"]] == prefetches
@@ -145,7 +144,7 @@ def test_each_ring_backward_prefetched_after_the_previous_one():
 
 def test_nothing_between_and_the_hybrid_ring_are_skipped_with_their_codes():
     gm, _ = _graph_with_ring_backwards(between=0, group_names=("ulysses", "intra", "inter"))
-    _, report = _run_pass(gm, prefetch_ring_backward=True)
+    _, report = _run_pass(gm)
     assert [s.code for s in report.skipped] == ["prefetch.ulysses"] * 2 and not report.rewrites_of(PASS)
     # a ring backward right after its inputs: nothing to run ahead of it
     graph = torch.fx.Graph()
@@ -153,7 +152,7 @@ def test_nothing_between_and_the_hybrid_ring_are_skipped_with_their_codes():
     ring = graph.call_function(torch.ops.burstc.ring_attention_backward.default,
                                (grad_out, q, k, v, out, lse, None, ["g"], "zigzag", "causal", 0.125, "burst"))
     graph.output(ring)
-    _, report = _run_pass(torch.fx.GraphModule(torch.nn.Module(), graph), prefetch_ring_backward=True)
+    _, report = _run_pass(torch.fx.GraphModule(torch.nn.Module(), graph))
     assert [s.code for s in report.skipped] == ["prefetch.nothing_to_overlap"] and not report.rewrites_of(PASS)
 
 
@@ -168,17 +167,15 @@ def test_a_prefetch_token_is_used_once():
                                        0.5, "burst", None, None, 0, True, None, torch.tensor(token))
 
 
-def test_the_default_prefetches_on_cuda_only():
+def test_the_option_turns_it_off_and_is_validated():
     from burstc.config import BurstConfig
 
     gm, _ = _graph_with_ring_backwards(between=2)
-    _, report = _run_pass(gm)  # no tensor on CUDA here (the placeholders' values are unknown: not CUDA)
-    assert [s.code for s in report.skipped] == ["prefetch.not_cuda"] * 2 and not report.rewrites_of(PASS)
-    gm, _ = _graph_with_ring_backwards(between=2)
-    _, report = _run_pass(gm, prefetch_ring_backward=False)
+    gm, report = _run_pass(gm, prefetch_ring_backward=False)
     assert not report.skipped and not report.rewrites_of(PASS)
+    assert not any(n.target == torch.ops.burstc.ring_attention_backward_prefetch.default for n in gm.graph.nodes)
     with pytest.raises(ValueError, match="prefetch_ring_backward"):
-        BurstConfig(prefetch_ring_backward="yes")
+        BurstConfig(prefetch_ring_backward=None)
 
 
 OP_CASES = [  # (ring, layout, mask, plan, forced head groups)
