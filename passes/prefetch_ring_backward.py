@@ -72,37 +72,32 @@ def prefetch_ring_backward(gm: fx.GraphModule, *, config, context) -> fx.GraphMo
         context.note = "no ring attention backward in this graph"
         return gm
     order = {node: i for i, node in enumerate(graph.nodes)}
-    created, ordered, previous_end = [], {}, None
+    # placeholders come first: a prefetch goes after the last of them, never among them
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    created, ordered, previous_end = [], {}, (placeholders[-1] if placeholders else None)
     for ring in rings:
         args = normalized_kwargs(ring)
         if args is None:  # (a burstc op always binds to its schema)
             raise AssertionError(f"{ring.format_node()} does not bind to its schema")
-        if args.get("prefetched") is not None:
-            previous_end = _end_of(ring, finish)
-            continue
-        if list(args["group_names"])[:1] == ["ulysses"]:
-            context.skip(KIND, ring, "the hybrid (Ulysses) ring trades its blocks by all-to-alls inside its own "
-                         "function", code=CODES.ulysses)
-            previous_end = _end_of(ring, finish)
-            continue
         inputs = [args[name] for name in _PREFETCH_ARGS if isinstance(args[name], fx.Node)]
         after = max(inputs + ([previous_end] if previous_end is not None else []), key=order.__getitem__)
-        # placeholders come first: a prefetch after the last of them, never among them
-        after = max(after, max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__, default=after),
-                    key=order.__getitem__)
         between = order[ring] - order[after] - 1
-        if between <= 0:
+        if args.get("prefetched") is not None:
+            pass  # a graph this pass already ran on: nothing to add
+        elif list(args["group_names"])[:1] == ["ulysses"]:
+            context.skip(KIND, ring, "the hybrid (Ulysses) ring trades its blocks by all-to-alls inside its own "
+                         "function", code=CODES.ulysses)
+        elif between <= 0:
             context.skip(KIND, ring, "nothing runs between its inputs (or the previous ring backward) and itself",
                          code=CODES.nothing_to_overlap)
-            previous_end = _end_of(ring, finish)
-            continue
-        with graph.inserting_after(after):
-            token = graph.call_function(prefetch, tuple(args[name] for name in _PREFETCH_ARGS))
-        ring.kwargs = {**ring.kwargs, "prefetched": token}
-        if config.backend == "inductor":  # Inductor reorders: the next node waits for the prefetch, as placed
-            ordered[token.next] = token
-        created.append(token)
-        context.rewrite(KIND, token, {"ahead_of_nodes": between, "plan": args["plan"]})
+        else:
+            with graph.inserting_after(after):
+                token = graph.call_function(prefetch, tuple(args[name] for name in _PREFETCH_ARGS))
+            ring.kwargs = {**ring.kwargs, "prefetched": token}
+            if config.backend == "inductor":  # Inductor reorders: the next node waits for the prefetch, as placed
+                ordered[token.next] = token
+            created.append(token)
+            context.rewrite(KIND, token, {"ahead_of_nodes": between, "plan": args["plan"]})
         previous_end = _end_of(ring, finish)
     if not created:
         return gm

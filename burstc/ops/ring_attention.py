@@ -206,12 +206,9 @@ def _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, 
                     key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, prefetched=None
                     ) -> Callable[[], tuple[Tensor, Tensor, Tensor]]:
     """The backward up to its last hop (posted, not waited for); the returned function finishes it."""
-    ahead = None
-    if prefetched is not None:
-        ahead = _PENDING_PREFETCHES.pop(int(prefetched), _MISSING)
-        if ahead is _MISSING:
-            raise RuntimeError(f"burstc ring attention: prefetch token {int(prefetched)} was never posted or is "
-                               "already used (a prefetch feeds exactly one backward, after it)")
+    ahead = None if prefetched is None else _redeem(
+        _PENDING_PREFETCHES, prefetched, "was never posted or is already used (a prefetch feeds exactly one "
+        "backward, after it)")
     ring, spec, layout, data, plan = _call_setup(q, k, group_names, layout, mask, plan, doc_ids, key_valid,
                                                  chunk_owners)
     finish_ring = start_ring_backward(plan, grad_out, q, k, v, out, lse, grad_lse, ring, layout, spec, scale, data,
@@ -243,7 +240,23 @@ def _(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, p
 # ``prefetched`` argument takes; the posted transfer waits in ``_PENDING_PREFETCHES`` under it.  Every rank runs
 # the same graph, so every pair of ranks posts the same parts in the same order.
 _PENDING_PREFETCHES: dict[int, object] = {}
+_NEXT_TOKEN = [0]  # the last token issued (prefetches' and split backwards' alike)
 _MISSING = object()
+
+
+def _issue(pending: dict, value) -> Tensor:
+    """A new token (a CPU int64 scalar: reading it never waits on a device) under which ``value`` waits."""
+    _NEXT_TOKEN[0] += 1
+    pending[_NEXT_TOKEN[0]] = value
+    return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)
+
+
+def _redeem(pending: dict, token: Tensor, misuse: str):
+    """What waits under ``token``, taken out (a token is used once); an error naming ``misuse`` otherwise."""
+    value = pending.pop(int(token), _MISSING)
+    if value is _MISSING:
+        raise RuntimeError(f"burstc ring attention: token {int(token)} {misuse}")
+    return value
 
 
 @torch.library.custom_op("burstc::ring_attention_backward_prefetch", mutates_args=(), schema=_PREFETCH_SCHEMA)
@@ -255,10 +268,8 @@ def _ring_attention_backward_prefetch_op(q: Tensor, k: Tensor, v: Tensor, lse: T
                                          chunk_owners: Tensor | None = None) -> Tensor:
     ring, spec, layout, data, plan = _call_setup(q, k, group_names, layout, mask, plan, doc_ids, key_valid,
                                                  chunk_owners)
-    _NEXT_TOKEN[0] += 1
     # None on the hybrid ring (its exchanges are all-to-alls): the backward then posts everything itself
-    _PENDING_PREFETCHES[_NEXT_TOKEN[0]] = prefetch_backward(plan, q, k, v, lse, ring, layout, spec, data)
-    return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)
+    return _issue(_PENDING_PREFETCHES, prefetch_backward(plan, q, k, v, lse, ring, layout, spec, data))
 
 
 @_ring_attention_backward_prefetch_op.register_fake
@@ -273,7 +284,6 @@ def _(q, *args, **kwargs):
 # overlaps the hop.  The pending calls wait in ``_PENDING_BACKWARDS`` under their token; a token is finished
 # exactly once, by the same rank, in the graph order every rank shares.
 _PENDING_BACKWARDS: dict[int, Callable[[], tuple[Tensor, Tensor, Tensor]]] = {}
-_NEXT_TOKEN = [0]
 _START_SCHEMA = _BACKWARD_SCHEMA.replace("-> (Tensor, Tensor, Tensor)", "-> Tensor")
 
 
@@ -287,9 +297,7 @@ def _ring_attention_backward_start_op(grad_out: Tensor, q: Tensor, k: Tensor, v:
                                       prefetched: Tensor | None = None) -> Tensor:
     finish = _start_backward(grad_out, q, k, v, out, lse, grad_lse, group_names, layout, mask, scale, plan, doc_ids,
                              key_valid, uniform_rows_keys, uniform_rows_score_grad, chunk_owners, prefetched)
-    _NEXT_TOKEN[0] += 1
-    _PENDING_BACKWARDS[_NEXT_TOKEN[0]] = finish
-    return torch.tensor(_NEXT_TOKEN[0], dtype=torch.int64)
+    return _issue(_PENDING_BACKWARDS, finish)
 
 
 @_ring_attention_backward_start_op.register_fake
@@ -304,11 +312,8 @@ def _ring_attention_backward_finish_op(token: Tensor, q: Tensor, k: Tensor, v: T
                                        ) -> tuple[Tensor, Tensor, Tensor]:
     # ``after``: values the graph computes while the hop travels, read by nothing here: they order the finish after
     # that work for a compiler that reorders (Inductor)
-    finish = _PENDING_BACKWARDS.pop(int(token), None)
-    if finish is None:
-        raise RuntimeError(f"burstc ring attention: backward token {int(token)} was never started or is already "
-                           "finished (a split backward's finish must run once, after its start)")
-    return finish()
+    return _redeem(_PENDING_BACKWARDS, token, "was never started or is already finished (a split backward's "
+                   "finish must run once, after its start)")()
 
 
 @_ring_attention_backward_finish_op.register_fake

@@ -313,14 +313,18 @@ def input_transfer(offset: int, out_runs, in_runs, source: list[Tensor] | None, 
 NO_TRANSFER = ([], [], (), None)
 
 
-def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, arrivals: _Arrivals):
-    """:func:`input_transfer` for compute step ``step``: this rank sends its own rows that rank + step
-    needs there, and receives what it needs of rank - step's.  Nothing outside ``1 <= step < P``."""
+def _step_runs(ring: Ring, rows_between, step: int) -> tuple[Runs, Runs]:
+    """``(out_runs, in_runs)`` of compute step ``step``'s input transfer: this rank's own rows that rank + step
+    needs there, and what it needs of rank - step's.  Nothing outside ``1 <= step < P``."""
     if not 1 <= step < ring.size:
-        return NO_TRANSFER
-    return input_transfer(step, rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank),
-                          rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size), home, arrivals,
-                          step)
+        return (), ()
+    return (rows_between(receiver=(ring.rank + step) % ring.size, sender=ring.rank),
+            rows_between(receiver=ring.rank, sender=(ring.rank - step) % ring.size))
+
+
+def _input_transfers(ring: Ring, rows_between, home: list[Tensor], step: int, arrivals: _Arrivals):
+    """:func:`input_transfer` for compute step ``step`` (:func:`_step_runs`)."""
+    return input_transfer(step, *_step_runs(ring, rows_between, step), home, arrivals, step)
 
 
 def known_early(plan: BackwardPlan) -> tuple[int, ...]:
@@ -369,12 +373,8 @@ def _wait(requests) -> None:
 
 
 def _flat_first_transfer(ring: Ring, rows_between, like: list[Tensor], recorder: CallRecorder) -> FirstTransfer:
-    """Compute step 1's input transfer (:func:`_input_transfers`) as a :class:`FirstTransfer`; none on one rank."""
-    if ring.size < 2:
-        return FirstTransfer(ring, 1, (), (), _Arrivals(like), 1, 0, recorder)
-    return FirstTransfer(ring, 1, rows_between(receiver=(ring.rank + 1) % ring.size, sender=ring.rank),
-                         rows_between(receiver=ring.rank, sender=(ring.rank - 1) % ring.size), _Arrivals(like), 1, 0,
-                         recorder)
+    """Compute step 1's input transfer (:func:`_step_runs`) as a :class:`FirstTransfer`, counted at step 0."""
+    return FirstTransfer(ring, 1, *_step_runs(ring, rows_between, 1), _Arrivals(like), 1, 0, recorder)
 
 
 def first_backward_transfer(plan: BackwardPlan, ring: Ring | TwoLevelRing, layout: str, mask: MaskSpec,

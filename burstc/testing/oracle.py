@@ -205,7 +205,7 @@ def errors_vs_truth(grads: dict, truth_grads: dict) -> dict[str, float]:
 
 
 def truth_scale(truth_grads: dict) -> float:
-    """The largest finite true gradient entry."""
+    """The largest finite true gradient entry (of any gradients given: eager's where no truth exists)."""
     return max((float(g[torch.isfinite(g)].abs().max()) for g in truth_grads.values() if bool(torch.isfinite(g).any())),
                default=0.0)
 
@@ -254,9 +254,7 @@ def forgiven_by_truth(bad: dict[str, float], result: dict, dtype: torch.dtype = 
 # terms are themselves below the noise: the same floor the truth rule grants.
 def noise_level_grads(grads: dict, ref_grads: dict, dtype: torch.dtype = torch.float32) -> list[str]:
     """Names of the gradients at rounding-noise level (see above); NaN or a missing side never is."""
-    scale = max((float(g[torch.isfinite(g)].abs().max()) for g in ref_grads.values() if bool(torch.isfinite(g).any())),
-                default=0.0)
-    noise = TRUTH_ULPS * torch.finfo(dtype).eps * scale
+    noise = TRUTH_ULPS * torch.finfo(dtype).eps * truth_scale(ref_grads)  # eager's largest stands in for the truth's
     found = []
     for name, ref in ref_grads.items():
         got = grads.get(name)
