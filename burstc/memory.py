@@ -305,14 +305,16 @@ def scheduled_order(gm: fx.GraphModule, schedule: dict[str, int] | None) -> list
 
 def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[str, list] | None = None,
            inputs_freed: bool = False, op_buffers=None, schedule: dict[str, int] | None = None,
-           order: list[fx.Node] | None = None) -> tuple[GraphReplay, dict[str, list]]:
+           order: list[fx.Node] | None = None, ahead_buffers=None) -> tuple[GraphReplay, dict[str, list]]:
     """Replay ``gm``: -> (its :class:`GraphReplay`, {output node name: storage keys}).
 
     ``inputs`` maps a placeholder's name to the storage keys it holds (the forward's saved values, for the
     backward); other placeholders are the caller's (not counted).  ``inputs_freed``: a counted input is freed
     after its last use (Inductor) instead of at the graph's end (aot_eager).  ``op_buffers(node) -> bytes``:
     what an opaque op allocates inside, live only while it runs.  ``schedule``: the order Inductor ran the nodes in
-    (:func:`scheduled_order`), else ``order`` (every node of the graph, in the order to replay), else the graph's."""
+    (:func:`scheduled_order`), else ``order`` (every node of the graph, in the order to replay), else the graph's.
+    ``ahead_buffers(order) -> [bytes per node]``: what ops hold *before* they run, live at the nodes it names
+    (:func:`prefetch_ahead`)."""
     inputs = inputs or {}
     keys: dict[fx.Node, list] = {}
     step_keys = _scheduled_keys(gm, schedule) if schedule else None
@@ -385,6 +387,7 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
     for key, index in last_use.items():
         frees.setdefault(index, []).append(key)
     result = GraphReplay()
+    ahead = ahead_buffers(order) if ahead_buffers is not None else [0] * len(order)
     made: set[tuple] = set(live)
     for index, node in enumerate(order):
         for key in keys[node]:
@@ -393,7 +396,7 @@ def replay(gm: fx.GraphModule, storages: _Storages, tag: str, *, inputs: dict[st
                 if key in storages.counted:
                     live[key] = storages.bytes[key]
                     live_bytes += live[key]
-        extra = op_buffers(node) if op_buffers is not None and node.op == "call_function" else 0
+        extra = (op_buffers(node) if op_buffers is not None and node.op == "call_function" else 0) + ahead[index]
         if live_bytes + extra > result.peak_bytes:
             result.peak_bytes, result.peak_node, result.peak_op_buffers = live_bytes + extra, node.name, extra
             result.live_at_peak = dict(live)
@@ -657,7 +660,9 @@ def prefetch_buffers(q, k, v, layout: str, mask: str, plan: str, world_size: int
     """Bytes a ``prefetch_ring_backward`` node allocates and hands to its ring backward, an upper bound: the receive
     buffers of the first transfer's known-early tensors (one visiting shard of K and V, or of Q and the fp32 LSE),
     the ring backward's own first-step buffers allocated ahead of it (and a contiguous copy of K / V when they
-    are not).  Counted at the node; they live until the backward's first step."""
+    are not).  They live until the backward's first step: counted at a prefetch node where a graph holds one, and
+    at every node between the prefetch's place and its ring backward by :func:`prefetch_ahead` (the predictions
+    replay graphs from before the pass)."""
     from burstc.attention_ir import MaskSpec
     from burstc.ops.ring_attention import resolve_plan
 
@@ -666,6 +671,32 @@ def prefetch_buffers(q, k, v, layout: str, mask: str, plan: str, world_size: int
     if resolve_plan(plan, q, k, world_size, layout, MaskSpec.decode(mask)) == "burst":
         return batch * heads_q * local_len * (head_dim * elem + ACC_BYTES) + (0 if q.is_contiguous() else q.nbytes)
     return 2 * k.nbytes + sum(0 if t.is_contiguous() else t.nbytes for t in (k, v))
+
+
+def prefetch_ahead(world_size: int):
+    """:func:`replay`'s ``ahead_buffers`` for a backward graph before the ``prefetch_ring_backward`` pass: each ring
+    backward's :func:`prefetch_buffers` live at every node between the place that pass posts its prefetch (after
+    the ring's inputs, the previous ring backward and the placeholders) and the ring backward itself (whose own
+    buffers count the rest), in the replay's order.  Not on the hybrid (Ulysses) ring, which the pass skips."""
+
+    def ahead(order: list[fx.Node]) -> list[int]:
+        held = [0] * len(order)
+        position = {node: index for index, node in enumerate(order)}
+        previous = max((position[n] for n in order if n.op == "placeholder"), default=-1)
+        for index, node in enumerate(order):
+            if node.op != "call_function" or str(node.target) != "burstc.ring_attention_backward.default":
+                continue
+            args = bound_args(node)
+            if list(args["group_names"])[:1] != ["ulysses"]:
+                earliest = max([previous] + [position[n] for n in node.all_input_nodes if n in position])
+                nbytes = prefetch_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"],
+                                          args["plan"], world_size)
+                for between in range(earliest + 1, index):
+                    held[between] += nbytes
+            previous = index
+        return held
+
+    return ahead
 
 
 def pending_backward_buffers(q, k) -> int:
@@ -778,8 +809,9 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
     """The step of ``records``: (forward graph, backward graph, ring world size) per Dynamo graph, run
     forward in order and backward in reverse order; ``schedules``: per record, ``{"forward": ..., "backward":
     ...}`` the order Inductor ran each graph in (:func:`inductor_schedule`), where known.  ``overlap``: the
-    backward graphs are AOTAutograd's, before the ``overlap_ring_backward`` pass, which will run as this says
-    (:func:`overlap_option`): they are replayed in the order it will give them."""
+    backward graphs are AOTAutograd's, before the ``overlap_ring_backward`` and ``prefetch_ring_backward`` passes,
+    which will run as this says (:func:`overlap_option`): they are replayed in the order the first will give them,
+    with the buffers the second posts ahead of each ring backward (:func:`prefetch_ahead`)."""
     schedules = schedules or [{} for _ in records]
     if optimizer is not None and optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"burstc.memory: optimizer must be one of {sorted(OPTIMIZER_STATES)} or None, "
@@ -815,11 +847,12 @@ def predict_graphs(records: list[tuple[fx.GraphModule, fx.GraphModule, int]], *,
                   if node.op == "placeholder" and node.name in forward_returned[index]}
         others = {k: b for k, b in held.items() if k not in saved_keys[index]}
         order = None
-        if overlap is not None and world_size > 1 and not schedules[index].get("backward"):
+        if overlap is not None and overlap.split and world_size > 1 and not schedules[index].get("backward"):
             order = _overlap_order(backward, overlap)
+        ahead = prefetch_ahead(world_size) if overlap is not None and overlap.prefetch and world_size > 1 else None
         result, outputs = replay(backward, storages, f"b{index}", inputs=inputs,
                                  inputs_freed=backend == "inductor", op_buffers=op_buffers(world_size),
-                                 schedule=schedules[index].get("backward"), order=order)
+                                 schedule=schedules[index].get("backward"), order=order, ahead_buffers=ahead)
         phases.append((f"backward of graph {index}", result, others))
         for key in saved_keys[index]:
             held.pop(key, None)
@@ -951,18 +984,21 @@ KEEP_REFINE_STEPS = 3
 
 @dataclasses.dataclass(frozen=True)
 class BackwardOverlap:
-    """The ``overlap_ring_backward`` pass will rewrite the backward graphs, with ``overlap_memory_bytes`` =
-    ``memory_bytes`` (None: per call, what it holds through its hop)."""
+    """How the mesh-only backward passes will rewrite the backward graphs: ``split``: ``overlap_ring_backward`` runs,
+    with ``overlap_memory_bytes`` = ``memory_bytes`` (None: per call, what it holds through its hop); ``prefetch``:
+    ``prefetch_ring_backward`` runs."""
 
     memory_bytes: int | None = None
+    split: bool = True
+    prefetch: bool = True
 
 
 def overlap_option(config) -> BackwardOverlap | None:
-    """:func:`predict_graphs`'s ``overlap`` for a compile with ``config``: None when the ``overlap_ring_backward``
-    pass is disabled."""
-    if "overlap_ring_backward" in config.disable_passes:
-        return None
-    return BackwardOverlap(config.overlap_memory_bytes)
+    """:func:`predict_graphs`'s ``overlap`` for a compile with ``config``: None when neither the
+    ``overlap_ring_backward`` nor the ``prefetch_ring_backward`` pass will run."""
+    split = "overlap_ring_backward" not in config.disable_passes
+    prefetch = config.prefetch_ring_backward and "prefetch_ring_backward" not in config.disable_passes
+    return BackwardOverlap(config.overlap_memory_bytes, split, prefetch) if split or prefetch else None
 
 
 def _overlap_order(backward: fx.GraphModule, overlap: BackwardOverlap) -> list[fx.Node]:

@@ -2,6 +2,8 @@
 compiled forward actually saves (counted with saved-tensor hooks at run time); ``memory_budget=`` picks the
 checkpoint mode its predictions say, and (slow) the predictions are within 15% of measured peaks and the
 measured peak does not rise as the budget falls."""
+import operator
+
 import pytest
 import torch
 
@@ -514,3 +516,58 @@ def test_masked_block_kernel_memory_matches_its_estimate(monkeypatch, budget_mib
     for op, peak in (("forward", forward), ("backward", backward)):
         predicted = masked_kernel_bytes(op, spec, S, S, B, H, H, D, 4)
         assert 0.9 <= peak.extra_bytes / predicted <= 1.15, (op, peak.extra_bytes / MIB, predicted / MIB)
+
+
+def test_prefetched_buffers_are_held_from_where_the_prefetch_goes_to_the_ring_backward():
+    """Two ring backwards with a matmul before each: the prefetch of each goes after the last placeholder / the
+    previous ring backward, so its receive buffers are live at the nodes between (and not at the rings, whose own
+    buffers count them); the hybrid ring is not prefetched; with the pass off nothing is held ahead."""
+    import burstc.ops.ring_attention  # noqa: F401  (registers the ops)
+    from burstc.memory import _Storages, prefetch_ahead, prefetch_buffers, replay
+
+    ring_backward = torch.ops.burstc.ring_attention_backward.default
+    batch, heads, local_len, head_dim = 1, 2, 64, 16
+
+    def backward_graph(group_names):
+        graph = torch.fx.Graph()
+        values = {}
+        for name, shape, dtype in (("grad_out", (batch, heads, local_len, head_dim), torch.float32),
+                                   ("q", (batch, heads, local_len, head_dim), torch.float32),
+                                   ("k", (batch, heads, local_len, head_dim), torch.float32),
+                                   ("v", (batch, heads, local_len, head_dim), torch.float32),
+                                   ("out", (batch, heads, local_len, head_dim), torch.float32),
+                                   ("lse", (batch, heads, local_len), torch.float32),
+                                   ("w", (head_dim, head_dim), torch.float32)):
+            values[name] = graph.placeholder(name)
+            values[name].meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+        nodes = values
+        outs = []
+        for layer in range(2):
+            mm = graph.call_function(torch.ops.aten.mm.default, (nodes["w"], nodes["w"]))
+            mm.meta["val"] = torch.empty(head_dim, head_dim, device="meta")
+            ring = graph.call_function(ring_backward, (
+                nodes["grad_out"], nodes["q"], nodes["k"], nodes["v"], nodes["out"], nodes["lse"], None,
+                group_names, "zigzag", "causal", 0.25, "kv_ring"))
+            ring.meta["val"] = tuple(torch.empty(batch, heads, local_len, head_dim, device="meta") for _ in range(3))
+            first = graph.call_function(operator.getitem, (ring, 0))
+            first.meta["val"] = ring.meta["val"][0]
+            outs += [mm, first]
+        graph.output(tuple(outs))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    gm = backward_graph(["0"])
+    q = gm.graph.find_nodes(op="placeholder", target="q")[0].meta["val"]
+    nbytes = prefetch_buffers(q, q, q, "zigzag", "causal", "kv_ring", 2)
+    assert nbytes == 2 * q.nbytes  # one visiting shard of K and V
+    order = list(gm.graph.nodes)
+    held = prefetch_ahead(2)(order)
+    names_held = {n.name: b for n, b in zip(order, held) if b}
+    assert names_held == {"mm_default": nbytes, "getitem": nbytes, "mm_default_1": nbytes}, names_held
+    # the replay's peak: without the prefetch at the second ring (the first matmul, the first ring's returned
+    # gradient, the second matmul and the second ring's three gradients: 1 + 8 + 1 + 24 KiB); with it at the
+    # getitem after the first ring (its three gradients, read by that getitem, the first matmul and the buffers)
+    plain, _ = replay(gm, _Storages(), "b")
+    with_ahead, _ = replay(gm, _Storages(), "b", ahead_buffers=prefetch_ahead(2))
+    assert (plain.peak_node, plain.peak_bytes) == ("ring_attention_backward_default_1", 34 * 1024)
+    assert (with_ahead.peak_node, with_ahead.peak_bytes) == ("getitem", 25 * 1024 + nbytes)
+    assert not any(prefetch_ahead(2)(list(backward_graph(["ulysses", "0", "1"]).graph.nodes)))

@@ -73,6 +73,37 @@ def test_hidden_time_is_the_part_of_a_transfer_spent_computing(monkeypatch):
     assert ring_stats._overlap_s(0, 10, [(1, 3), (5, 12), (-4, -1)]) == 7
 
 
+def test_a_step_posted_in_parts_counts_the_union_of_their_intervals(monkeypatch):
+    """A prefetched first transfer: part one posted at 0 (the call then away 0.5..3), part two posted at 3; both
+    waited for 4..5 after step 0 computes 3.5..4.  Step 0's transfer is 0..5 (5 s, not 5 + 2), hidden 3 of it
+    (2.5 away, 0.5 computing); the double-counting version said 7 and 3.5."""
+    clock = iter([-1.0, 0.0, 0.0, 0.5, 3.0, 3.0, 3.0, 3.5, 4.0, 4.0, 5.0, 4.5, 5.0, 6.0])
+    monkeypatch.setattr(ring_stats.time, "perf_counter", lambda: next(clock))
+    ring = types.SimpleNamespace(size=2, rank=0, peer=lambda offset: offset % 2, extra_backward_hops=1)
+    q = torch.zeros(1, 2, 4, 8)
+    with ring_stats.record_stats() as stats:
+        recorder = ring_stats.CallRecorder("backward", "burst", ring, "zigzag", "causal", q, q)
+        with recorder.posting(0, lambda: [("send", 1, 64, 1)]) as early:  # posted 0..0
+            pass
+        come_back = recorder.leave()  # left at 0.5
+        come_back()  # back at 3
+        with recorder.posting(0, lambda: [("send", 1, 32, 1)]) as rest:  # posted 3..3
+            pass
+        with recorder.step(0, 0, 0):  # 3.5..4
+            pass
+        early.waiting()  # 4
+        early.waited()  # 5
+        rest.waiting()  # 4.5
+        rest.waited()  # 5
+        recorder.publish()  # 6
+    call = stats.calls[0]
+    assert call.transfer_s_per_step[0] == 5.0
+    assert call.hidden_s_per_step[0] == 3.0
+    assert call.exposed_s_per_step[0] == 1.0 + 0.5  # each wait's own time, plus posting (0 here)
+    assert ring_stats._uncovered(0, 10, [(2, 3), (1, 2.5), (8, 12)]) == [(0, 1), (3, 8)]
+    assert ring_stats._uncovered(0, 10, [(-1, 11)]) == []
+
+
 def test_nothing_is_recorded_or_traced_when_off(monkeypatch):
     def no_span(name):
         raise AssertionError(f"a span was opened with tracing off: {name}")

@@ -40,8 +40,9 @@ class RingCallStats:
     intra-node return, then the last lane's inter-node one).  Empty when P = 1.
     ``bytes_received_per_step[i]``: the same for the buffers handed to ``irecv``.
     ``transfer_s_per_step[i]``, ``hidden_s_per_step[i]``, ``exposed_s_per_step[i]``: seconds from posting
-    step ``i``'s transfers to their wait's return, the part of it spent computing ring steps, the time
-    spent posting and waiting for them (exposed; module docstring); 0 for a step that moved nothing.
+    step ``i``'s transfers to their wait's return (a step posted in parts: the union of the parts' intervals), the
+    part of it spent computing ring steps or away (:meth:`CallRecorder.leave`), the time spent posting and waiting
+    for them (exposed; module docstring); 0 for a step that moved nothing.
     """
 
     op: str                 # "forward" | "backward"
@@ -209,6 +210,21 @@ def _overlap_s(start: float, stop: float, intervals: Sequence[tuple[float, float
     return sum(max(0.0, min(stop, b) - max(start, a)) for a, b in intervals)
 
 
+def _uncovered(start: float, stop: float, covered: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of ``[start, stop]`` outside every interval of ``covered`` (which may overlap), as disjoint
+    intervals in order."""
+    parts = []
+    for a, b in sorted(covered):
+        if a >= stop:
+            break
+        if a > start:
+            parts.append((start, a))
+        start = max(start, b)
+        if start >= stop:
+            return parts
+    return parts + [(start, stop)]
+
+
 class CallRecorder:
     """Per-call counters and timers; publishes to the active recorders when the call finishes.  While a trace
     is written it also opens the profiler spans: each compute step (:meth:`step`), each transfer and each
@@ -222,6 +238,9 @@ class CallRecorder:
         self.tag = "fwd" if op == "forward" else "bwd"
         self.computing: list[tuple[float, float]] = []  # (start, stop) of each compute step so far
         self.away: list[tuple[float, float]] = []  # (left, back) of each time the call left the thread (leave())
+        # step -> (posted, waited) of each of its postings: a step posted in parts (a prefetched first transfer, the
+        # double ring's lane and intra-node transfers) counts the union of their intervals once
+        self.transfer_spans: dict[int, list[tuple[float, float]]] = {}
         if not self.enabled:
             return
         self.started = time.perf_counter()
@@ -372,7 +391,10 @@ class _Transfers:
         recorder = self.recorder
         if recorder.enabled:
             stats = recorder.stats
-            stats.transfer_s_per_step[self.step] += end - self.posted
-            stats.hidden_s_per_step[self.step] += (_overlap_s(self.posted, end, recorder.computing)
-                                                    + _overlap_s(self.posted, end, recorder.away))
+            spans = recorder.transfer_spans.setdefault(self.step, [])
+            for start, stop in _uncovered(self.posted, end, spans):
+                stats.transfer_s_per_step[self.step] += stop - start
+                stats.hidden_s_per_step[self.step] += (_overlap_s(start, stop, recorder.computing)
+                                                        + _overlap_s(start, stop, recorder.away))
+            spans.append((self.posted, end))
             stats.exposed_s_per_step[self.step] += self.post_s + end - self.wait_start
