@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from burstc.config import RING_KINDS
 from burstc.testing import fuzz
 from burstc.testing.fuzz import Case, Outcome, RandomDraw, classify, generate_case, reduce_case, run_case
 from burstc.testing.fuzz_models import HFSpec, InputSpec, ModelSpec, build_inputs, build_model, compute_loss
@@ -401,3 +402,41 @@ def test_the_fuzzer_refuses_to_run_mixed_checkouts(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exited:
         fuzz.main(["--cases", "1", "--out", "unused"])
     assert exited.value.code == 2 and "different checkouts" in capsys.readouterr().err
+
+
+def test_two_level_meshes_are_drawn_only_when_asked():
+    assert fuzz.two_level_shapes(4) == [(2, 2)] and fuzz.two_level_shapes(6) == [(2, 3), (3, 2)]
+    assert fuzz.two_level_shapes(3) == [] and fuzz.two_level_shapes(2) == []
+    # fraction 0 draws nothing: the earlier seeds' cases are unchanged
+    plain = _draw_cases(30, 11, world_sizes=(4,))
+    assert all(c.mesh is None and "ring" not in dict(c.options) for c in plain)
+    drawn = _draw_cases(30, 11, world_sizes=(2, 3, 4), two_level_fraction=1.0)
+    for case in drawn:
+        assert (case.mesh == (2, 2)) == (case.world_size == 4), case.describe()
+        assert ("ring" in dict(case.options)) == (case.mesh is not None)
+        if case.mesh is not None and case.alternative is not None:
+            assert dict(case.alternative)["ring"] in RING_KINDS
+    assert any(c.mesh for c in drawn) and "(2x2 mesh)" in next(c for c in drawn if c.mesh).describe()
+    # the reducer's first step from a two-level case is the flat ring over the same ranks
+    case = next(c for c in drawn if c.mesh)
+    flat = next(fuzz._simpler(case))
+    assert flat.mesh is None and flat.world_size == 4 and "ring" not in dict(flat.options)
+
+
+def test_a_two_level_case_runs_the_double_ring_and_the_hybrid(workers):
+    """One case on a named 2 x 2 mesh through the fuzzer's harness: the double ring, then (the metamorphic second
+    option set) the Ulysses hybrid; each matches eager and the other."""
+    case = Case(model=ModelSpec(attention="sdpa_causal", heads=4, kv_heads=2, layers=1), inputs=InputSpec(seq=16),
+                world_size=4, mesh=(2, 2),
+                options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "burst"),
+                         ("ring", "double")),
+                alternative=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "kv_ring"),
+                             ("ring", "ulysses")))
+    outcome = run_case(workers, case, timeout=WORKER_RUN_TIMEOUT_S)
+    assert outcome.kind == "rewritten", outcome.detail
+    first, second = outcome.results[0]["runs"]
+    assert first["rings"] == ["double 2x2"] and second["rings"] == ["ulysses_ring 2x2"], (first["rings"],
+                                                                                       second["rings"])
+    # "rewritten" is the oracle's pass (loss and every gradient vs eager, and the two option sets vs each other);
+    # the errors it judged are there, and small
+    assert max(first["errors"].values()) < 1e-5 and max(second["errors_vs_first"].values()) < 1e-5

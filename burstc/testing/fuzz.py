@@ -56,6 +56,7 @@ from burstc.testing.fuzz_models import (
     build_model,
     compute_loss,
 )
+from burstc.config import RING_KINDS
 from burstc.layout import LAYOUT_OPTIONS
 from burstc.testing.zoo.hf import HF_ARCHITECTURES
 from burstc.testing.oracle import (
@@ -105,6 +106,8 @@ class Case:
     # "fp32"; "bf16" (the model's weights in bf16, eager and burstc alike); "autocast" (fp32 weights, every step
     # under torch.autocast("cpu", bfloat16)): the bf16 rows of the tolerance table, the fp64 truth beside them
     precision: str = "fp32"
+    # a two-level mesh (nodes, ranks per node) named ("inter", "intra") over the world_size ranks; None: 1-D
+    mesh: tuple[int, int] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,7 +137,8 @@ class Case:
         inputs = (f"B{i.batch}xS{i.seq}" + (f" docs{list(i.documents)}" if i.documents else "")
                   + (f" pad-{i.padding}{list(i.pad_lengths)}" if i.padding != "none" else "")
                   + (f" ignore-{i.ignore}" if i.ignore != "none" else ""))
-        return f"P={self.world_size} {model} | {inputs} | {dict(self.options)}"
+        where = f"P={self.world_size}" + (f" ({self.mesh[0]}x{self.mesh[1]} mesh)" if self.mesh else "")
+        return f"{where} {model} | {inputs} | {dict(self.options)}"
 
 
 # ---- the generator: one function, driven by hypothesis (tests) or by random.Random (the long run) -----------
@@ -302,11 +306,12 @@ def generate_options(d, world_size: int, allow_inductor: bool = False, checkpoin
 
 
 def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_inductor: bool = False,
-                  flex_fraction: float = 0.0, checkpoint_fraction: float = 0.0, local_grads_fraction: float = 0.0
-                  ) -> Case:
+                  flex_fraction: float = 0.0, checkpoint_fraction: float = 0.0, local_grads_fraction: float = 0.0,
+                  two_level_fraction: float = 0.0) -> Case:
     """``flex_fraction``: share of FlexAttention models; ``checkpoint_fraction``: of cases with burstc's
-    checkpointing; ``local_grads_fraction``: of cases with ``reduce_grads=False``; 0 draws nothing for any (earlier
-    seeds stay the same)."""
+    checkpointing; ``local_grads_fraction``: of cases with ``reduce_grads=False``; ``two_level_fraction``: of cases
+    whose world size factors into nodes x ranks per node (both >= 2) on a named two-level mesh, each option set
+    with a drawn ``ring`` (flat, double, ulysses or auto); 0 draws nothing for any (earlier seeds stay the same)."""
     world_size = d.choice(list(world_sizes))
     if flex_fraction and d.boolean(flex_fraction):
         model = generate_flex_spec(d)
@@ -320,8 +325,20 @@ def generate_case(d, world_sizes=(1, 2, 3, 4), hf_fraction: float = 0.3, allow_i
         # eager's own math vs flash backends included) can flip a token's expert and move that expert's gradients
         # by tens of percent (seen: Mixtral, 1 of 48 tokens, 18%); equality with eager is only defined in fp32
         precision = "fp32"
+    mesh = None
+    shapes = two_level_shapes(world_size)
+    if two_level_fraction and shapes and d.boolean(two_level_fraction):
+        mesh = d.choice(shapes)
+        options += (("ring", d.choice(RING_KINDS)),)
+        if alternative is not None:  # metamorphic across ring kinds too
+            alternative += (("ring", d.choice(RING_KINDS)),)
     return Case(model=model, inputs=inputs, world_size=world_size, options=options, alternative=alternative,
-                precision=precision)
+                precision=precision, mesh=mesh)
+
+
+def two_level_shapes(world_size: int) -> list[tuple[int, int]]:
+    """``(nodes, ranks per node)``, both >= 2, whose product is ``world_size``."""
+    return [(n, world_size // n) for n in range(2, world_size // 2 + 1) if world_size % n == 0]
 
 
 def _routes_tokens(model) -> bool:
@@ -398,7 +415,8 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
     # a gradient that is zero in exact arithmetic (q/k with one visible key) is rounding noise on both sides,
     # on one device too (aot_eager decomposes SDPA): the oracle's floor for every P
     floor = SHARDED_GRAD_FLOOR
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = (init_device_mesh("cpu", case.mesh, mesh_dim_names=("inter", "intra")) if case.mesh
+            else init_device_mesh("cpu", (world_size,)))
     runs = []
     for options in (case.options, case.alternative):
         if options is None:
@@ -425,6 +443,7 @@ def fuzz_task(rank: int, world_size: int, case: Case) -> dict:
                    global_grad_error=_global_grad_error(grads, ref_grads),
                    rewrites=[r.kind for r in report.rewrites],
                    masks=[r.details.get("mask") for r in report.rewrites if r.kind == "attention"],
+                   rings=[r.details.get("ring") for r in report.rewrites if r.kind == "attention"],
                    skip_codes=[s.code for s in report.skipped],
                    skips=[f"{s.code}: {s.reason}"[:300] for s in report.skipped],
                    grad_errors_vs_truth=errors_vs_truth(grads, truth[1]) if truth is not None else None,
@@ -566,11 +585,15 @@ def _simpler(case: Case):
     if case.alternative is not None:
         yield dataclasses.replace(case, alternative=None)
         yield dataclasses.replace(case, options=case.alternative, alternative=None)
+    if case.mesh is not None:  # the flat ring over the same ranks
+        yield dataclasses.replace(case, mesh=None, alternative=None,
+                                  options=tuple(o for o in case.options if o[0] != "ring"))
     if case.world_size > 2:
-        yield dataclasses.replace(case, world_size=2, alternative=None)
+        yield dataclasses.replace(case, world_size=2, mesh=None, alternative=None,
+                                  options=tuple(o for o in case.options if o[0] != "ring"))
     if case.precision != "fp32":
         yield dataclasses.replace(case, precision="fp32")
-    plain = [("backend", "aot_eager")] + [o for o in case.options if o[0] in ("layout", "attention_plan")]
+    plain = [("backend", "aot_eager")] + [o for o in case.options if o[0] in ("layout", "attention_plan", "ring")]
     if tuple(plain) != case.options:
         yield dataclasses.replace(case, options=tuple(plain))
     for field, simple in (("ignore", "none"), ("batch", 1), ("documents", ()), ("padding", "none")):
@@ -697,6 +720,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-grads-fraction", type=float, default=0.1,
                         help="share of cases on a mesh with reduce_grads=False (the gradients summed over the ranks "
                              "by the oracle; the ring backwards' last hops overlapped with weight gradients)")
+    parser.add_argument("--two-level-fraction", type=float, default=0.0,
+                        help="share of cases whose world size factors (4: 2 x 2) run on a two-level mesh named "
+                             "('inter', 'intra') with a drawn ring kind (flat, double, ulysses, auto)")
     parser.add_argument("--out", default="fuzz-out", help="folder for reproducers and the JSON summary")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case before it counts as a hang")
     parser.add_argument("--reduce-tries", type=int, default=10, help="reruns spent reducing each failure")
@@ -726,7 +752,8 @@ def main(argv=None) -> int:
     with WorkerPool(run_timeout_s=args.timeout) as pool, case_log:
         for n in range(args.cases):
             case = generate_case(RandomDraw(rng), tuple(args.ranks), args.hf_fraction, args.inductor,
-                                 args.flex_fraction, args.checkpoint_fraction, args.local_grads_fraction)
+                                 args.flex_fraction, args.checkpoint_fraction, args.local_grads_fraction,
+                                 args.two_level_fraction)
             if n < args.start:
                 continue
             case_start = time.time()
