@@ -1,7 +1,7 @@
 """The double ring (:mod:`burstc.ops.double_ring`) on 2-D gloo meshes: exact, and its bytes per link class.
 
 Per mesh (2 x 2, 3 x 2 — three nodes, so a lane's gradients return before the last — and 2 x 4, slow),
-mask kind (full, causal, windows, documents, padding), layout and backward plan: the op's output and
+mask kind (full, causal, windows, documents, padding, ALiBi), layout and backward plan: the op's output and
 gradients against single-device SDPA, its byte counters (sent and received, per rank and step, and per
 link class) against :func:`burstc.planner.predicted_double_ring_transfers`, and the inter-node bytes
 against the flat ring's: each rank's rows cross to each other node at most once.
@@ -13,7 +13,7 @@ import torch
 
 from burstc import layout as layouts
 from burstc import planner
-from burstc.attention_ir import Documents, KeyPadding, MaskSpec, SlidingWindow
+from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec, SlidingWindow
 from burstc.ops import ring_attention as ra
 from burstc.testing import balance, tolerance, zoo
 from burstc.testing.ring_cases import ring_attention_case, runtime_mask_data
@@ -32,6 +32,8 @@ def _masks(local_len: int) -> dict[str, MaskSpec]:
         "window_multi_shard": CAUSAL & SlidingWindow(2 * local_len + 1),
         "documents": CAUSAL & DOCS,
         "window&documents&padding": CAUSAL & SlidingWindow(local_len) & DOCS & PAD,
+        # one slope per query head: the hybrid's ranks each hold a block of the heads (and only its slopes)
+        "alibi": CAUSAL & Alibi(tuple(0.5 ** (head + 1) for head in range(HEADS_Q))),
     }
 
 

@@ -317,6 +317,15 @@ FOUND = {
                      overrides=(("output_router_logits", True), ("router_aux_loss_coef", 0.02))),
         inputs=InputSpec(batch=1, seq=2, seed=63943), world_size=2,
         options=(("backend", "aot_eager"), ("layout", "documents"), ("attention_plan", "burst"))),
+    # the hybrid (Ulysses inside a node) gave each rank's ring all 4 ALiBi slopes for its 2 heads (raised on every
+    # rank): each now keeps its heads' slopes
+    "seed2037_case26_alibi_on_the_hybrid": Case(
+        model=ModelSpec(vocab=61, dim=24, layers=1, heads=4, kv_heads=2, head_dim=6, attention="sdpa_float",
+                        mask_source="triu", mask_fill="finfo.min", qk_norm=True, alibi=True, positions="rope",
+                        norm="layer", mlp="none", tied=True, head_bias=True, logits_op="softcap",
+                        loss="ce_none_mean"),
+        inputs=InputSpec(batch=1, seq=32, seed=38246), world_size=4, mesh=(2, 2),
+        options=(("backend", "aot_eager"), ("layout", "zigzag"), ("attention_plan", "kv_ring"), ("ring", "ulysses"))),
 }
 
 

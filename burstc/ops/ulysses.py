@@ -11,10 +11,12 @@ sequence shards.  The backward does the same around the ring's backward.
 
 Per rank and call it sends ``(G - 1) / G`` of its q, k, v and output inside the node (the all-to-alls, not
 overlapped with compute), and over the inter-node link the ring's N - 1 blocks of ``G * S/P`` tokens and H/G heads
-(as many bytes as the double ring's lane blocks).  Needs Hq and Hkv divisible by G.
+(as many bytes as the double ring's lane blocks).  Needs Hq and Hkv divisible by G.  A per-head score mod
+follows its heads: under ALiBi each rank's ring applies the slopes of the heads it holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from burstc import layout as layouts
-from burstc.attention_ir import MaskSpec
+from burstc.attention_ir import Alibi, MaskSpec
 from burstc.ops.ring_comm import UlyssesRing
 
 HYBRID_LAYOUTS = ("zigzag", "contiguous")
@@ -77,13 +79,25 @@ def _to_sequence(x: Tensor, ring: UlyssesRing, seq_len: int, layout: str) -> Ten
     return received.transpose(0, 1).reshape(batch, size * heads_part, local_len, *rest).contiguous()
 
 
+def _mask_of_heads(mask: MaskSpec, ring: UlyssesRing, heads_q: int) -> MaskSpec:
+    """``mask`` for this rank's heads in the node view: :func:`_to_heads` gives the rank with local index ``g``
+    the ``g``-th block of ``H / G`` heads, so ALiBi keeps those heads' slopes (the other terms are the same for
+    every head)."""
+    alibi = mask.term(Alibi)
+    if alibi is None:
+        return mask
+    part = heads_q // ring.per_node
+    mine = Alibi(alibi.slopes[ring.local * part:(ring.local + 1) * part])
+    return dataclasses.replace(mask, score_mods=tuple(mine if isinstance(m, Alibi) else m for m in mask.score_mods))
+
+
 def ulysses_ring_forward(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, ring: UlyssesRing, layout: str,
                          mask: MaskSpec, scale: float, data) -> tuple[Tensor, Tensor]:
     from burstc.ops.ring_loops import ring_forward
 
     seq_len = q_BHSD.shape[2] * ring.size
     node_view = [_to_heads(t, ring, seq_len, layout) for t in (q_BHSD, k_BHSD, v_BHSD)]
-    out, lse = ring_forward(*node_view, ring.inter, layout, mask, scale, data)
+    out, lse = ring_forward(*node_view, ring.inter, layout, _mask_of_heads(mask, ring, q_BHSD.shape[1]), scale, data)
     return _to_sequence(out, ring, seq_len, layout), _to_sequence(lse.unsqueeze(-1), ring, seq_len, layout)[..., 0]
 
 
@@ -96,5 +110,6 @@ def ulysses_ring_backward(plan: str, grad_out: Tensor, q: Tensor, k: Tensor, v: 
     heads = functools.partial(_to_heads, ring=ring, seq_len=seq_len, layout=layout)
     lse_heads = lambda t: heads(t.unsqueeze(-1))[..., 0]  # noqa: E731
     grads = ring_backward(plan, heads(grad_out.to(q.dtype)), heads(q), heads(k), heads(v), heads(out), lse_heads(lse),
-                          None if grad_lse is None else lse_heads(grad_lse), ring.inter, layout, mask, scale, data)
+                          None if grad_lse is None else lse_heads(grad_lse), ring.inter, layout,
+                          _mask_of_heads(mask, ring, q.shape[1]), scale, data)
     return tuple(_to_sequence(g, ring, seq_len, layout) for g in grads)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from burstc import layout as layouts
-from burstc.attention_ir import Documents, KeyPadding, MaskSpec
+from burstc.attention_ir import Alibi, Documents, KeyPadding, MaskSpec
 
 
 def runtime_mask_data(mask: MaskSpec, batch: int, seq_len: int, seed: int, doc_start_probability: float) -> dict:
@@ -39,8 +39,15 @@ def ring_attention_case(rank: int, world_size: int, mask: MaskSpec, layout: str,
     doc_ids, key_valid = data.get("doc_ids"), data.get("key_valid")
     visible = mask.visible(pos, pos, q_docs=doc_ids, kv_docs=doc_ids, kv_valid=key_valid)
     visible = visible.expand(batch, seq_len, seq_len).unsqueeze(1)
+    attn_mask = visible
+    if mask.score_mods:  # ALiBi as SDPA's additive mask: slope_h * (j - i) where visible, -inf elsewhere
+        alibi = mask.term(Alibi)
+        if alibi is None or len(mask.score_mods) > 1:
+            raise NotImplementedError(f"ring_attention_case: score mods other than ALiBi ({mask.score_mods})")
+        bias_HSS = torch.tensor(alibi.slopes).view(-1, 1, 1) * (pos[None, :] - pos[:, None])
+        attn_mask = torch.where(visible, bias_HSS, float("-inf"))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref_out = F.scaled_dot_product_attention(*leaves, attn_mask=visible, scale=scale, enable_gqa=True)
+    ref_out = F.scaled_dot_product_attention(*leaves, attn_mask=attn_mask, scale=scale, enable_gqa=True)
     (ref_out * grad_out).sum().backward()
     reference = {"out": ref_out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     shard = lambda t: layouts.shard(t, 2, world_size, rank, layout)  # noqa: E731
