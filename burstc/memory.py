@@ -678,6 +678,8 @@ def prefetch_ahead(world_size: int):
     backward's :func:`prefetch_buffers` live at every node between the place that pass posts its prefetch (after
     the ring's inputs, the previous ring backward and the placeholders) and the ring backward itself (whose own
     buffers count the rest), in the replay's order.  Not on the hybrid (Ulysses) ring, which the pass skips."""
+    from burstc.passes.graph_utils import normalized_kwargs
+    from burstc.passes.prefetch_ring_backward import prefetch_inputs
 
     def ahead(order: list[fx.Node]) -> list[int]:
         held = [0] * len(order)
@@ -688,7 +690,9 @@ def prefetch_ahead(world_size: int):
                 continue
             args = bound_args(node)
             if list(args["group_names"])[:1] != ["ulysses"]:
-                earliest = max([previous] + [position[n] for n in node.all_input_nodes if n in position])
+                # the prefetch reads what the forward saved, not grad_out (made just before the ring backward)
+                reads = prefetch_inputs(normalized_kwargs(node) or {})
+                earliest = max([previous] + [position[n] for n in reads if n in position])
                 nbytes = prefetch_buffers(args["q"], args["k"], args["v"], args["layout"], args["mask"],
                                           args["plan"], world_size)
                 for between in range(earliest + 1, index):

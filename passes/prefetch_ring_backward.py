@@ -47,6 +47,12 @@ _PREFETCH_ARGS = ("q", "k", "v", "lse", "group_names", "layout", "mask", "scale"
                   "uniform_rows_keys", "uniform_rows_score_grad", "chunk_owners")
 
 
+def prefetch_inputs(args: dict) -> list[fx.Node]:
+    """The nodes a ring backward's prefetch reads, of the ring backward's arguments by name (``normalized_kwargs``):
+    the prefetch goes after the last of them (and after the previous ring backward), never after ``grad_out``."""
+    return [args[name] for name in _PREFETCH_ARGS if isinstance(args.get(name), fx.Node)]
+
+
 def _targets():
     import burstc.ops.ring_attention  # noqa: F401  (registers the ops)
 
@@ -79,7 +85,7 @@ def prefetch_ring_backward(gm: fx.GraphModule, *, config, context) -> fx.GraphMo
         args = normalized_kwargs(ring)
         if args is None:  # (a burstc op always binds to its schema)
             raise AssertionError(f"{ring.format_node()} does not bind to its schema")
-        inputs = [args[name] for name in _PREFETCH_ARGS if isinstance(args[name], fx.Node)]
+        inputs = prefetch_inputs(args)
         after = max(inputs + ([previous_end] if previous_end is not None else []), key=order.__getitem__)
         between = order[ring] - order[after] - 1
         if args.get("prefetched") is not None:

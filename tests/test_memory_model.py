@@ -545,8 +545,12 @@ def test_prefetched_buffers_are_held_from_where_the_prefetch_goes_to_the_ring_ba
         for layer in range(2):
             mm = graph.call_function(torch.ops.aten.mm.default, (nodes["w"], nodes["w"]))
             mm.meta["val"] = torch.empty(head_dim, head_dim, device="meta")
+            # grad_out made right before the ring (as the output projection's backward makes it): the prefetch
+            # does not read it, so it still goes before the matmul
+            grad = graph.call_function(torch.ops.aten.mul.Tensor, (nodes["grad_out"], 2.0))
+            grad.meta["val"] = torch.empty(batch, heads, local_len, head_dim, device="meta")
             ring = graph.call_function(ring_backward, (
-                nodes["grad_out"], nodes["q"], nodes["k"], nodes["v"], nodes["out"], nodes["lse"], None,
+                grad, nodes["q"], nodes["k"], nodes["v"], nodes["out"], nodes["lse"], None,
                 group_names, "zigzag", "causal", 0.25, "kv_ring"))
             ring.meta["val"] = tuple(torch.empty(batch, heads, local_len, head_dim, device="meta") for _ in range(3))
             first = graph.call_function(operator.getitem, (ring, 0))
@@ -562,12 +566,16 @@ def test_prefetched_buffers_are_held_from_where_the_prefetch_goes_to_the_ring_ba
     order = list(gm.graph.nodes)
     held = prefetch_ahead(2)(order)
     names_held = {n.name: b for n, b in zip(order, held) if b}
-    assert names_held == {"mm_default": nbytes, "getitem": nbytes, "mm_default_1": nbytes}, names_held
-    # the replay's peak: without the prefetch at the second ring (the first matmul, the first ring's returned
-    # gradient, the second matmul and the second ring's three gradients: 1 + 8 + 1 + 24 KiB); with it at the
-    # getitem after the first ring (its three gradients, read by that getitem, the first matmul and the buffers)
+    assert names_held == {"mm_default": nbytes, "mul_tensor": nbytes, "getitem": nbytes, "mm_default_1": nbytes,
+                          "mul_tensor_1": nbytes}, names_held
+    # the replay: the peak stays at the second ring (the first matmul, the first ring's returned gradient, the
+    # second matmul, its grad_out and its three gradients: 1 + 8 + 1 + 8 + 24 KiB), where nothing is held ahead;
+    # between the rings the held buffers count: at the getitem after the first ring (its three gradients and the
+    # first matmul, 25 KiB) four times them would be the peak
     plain, _ = replay(gm, _Storages(), "b")
     with_ahead, _ = replay(gm, _Storages(), "b", ahead_buffers=prefetch_ahead(2))
-    assert (plain.peak_node, plain.peak_bytes) == ("ring_attention_backward_default_1", 34 * 1024)
-    assert (with_ahead.peak_node, with_ahead.peak_bytes) == ("getitem", 25 * 1024 + nbytes)
+    assert (plain.peak_node, plain.peak_bytes) == ("ring_attention_backward_default_1", 42 * 1024)
+    assert (with_ahead.peak_node, with_ahead.peak_bytes) == ("ring_attention_backward_default_1", 42 * 1024)
+    held_more, _ = replay(gm, _Storages(), "b", ahead_buffers=lambda order: [4 * b for b in prefetch_ahead(2)(order)])
+    assert (held_more.peak_node, held_more.peak_bytes) == ("getitem", 25 * 1024 + 4 * nbytes)
     assert not any(prefetch_ahead(2)(list(backward_graph(["ulysses", "0", "1"]).graph.nodes)))
